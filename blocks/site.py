@@ -1,0 +1,89 @@
+"""Site: a Dask cluster and the storage beside it. Work goes to the site holding its data."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from prefect.blocks.core import Block
+from pydantic import Field, model_validator
+
+
+class Site(Block):
+    """A place that runs work: a Dask cluster (or a local one) and its storage root.
+
+    Example:
+        ```python
+        from blocks.site import Site
+        site = Site.load("onprem")
+        with site.client() as client:
+            print(client.scheduler_info()["workers"].keys())
+        ```
+    """
+
+    _block_type_name = "quantloop Site"
+    _block_type_slug = "quantloop-site"
+    _description = (
+        "A Dask cluster and its storage root; quantloop sends work to the site that holds its data."
+    )
+
+    name: str = Field(default="local", description="Short site name recorded on every node.")
+    scheduler_address: str | None = Field(
+        default=None,
+        description="Address of the site's Dask scheduler (tcp://host:8786). "
+        "Empty: start a LocalCluster for the run.",
+    )
+    n_workers: int = Field(
+        default=2, ge=1, description="Workers of the LocalCluster when no scheduler is given."
+    )
+    threads_per_worker: int = Field(
+        default=1, ge=1, description="Threads per LocalCluster worker (feature nodes hold the GIL)."
+    )
+    storage_root: str = Field(
+        default=".quantloop/store",
+        description="Where the site keeps datasets and node outputs: a local folder or s3://bucket/prefix.",
+    )
+    gpus: int = Field(default=0, ge=0, description="GPUs available to training on this site.")
+    cost_per_hour: float = Field(
+        default=0.0, ge=0, description="Cost of the site's compute per hour, for placement reports."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Site:
+        if self.scheduler_address is not None and not self.scheduler_address.strip():
+            self.scheduler_address = None
+        if self.scheduler_address and "://" not in self.scheduler_address:
+            raise ValueError(
+                f"scheduler_address {self.scheduler_address!r} must be a URL such as tcp://host:8786"
+            )
+        return self
+
+    @property
+    def root(self) -> str:
+        """The storage root as an absolute path or URL."""
+        if "://" in self.storage_root:
+            return self.storage_root.rstrip("/")
+        return os.path.abspath(self.storage_root)
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[object]:
+        """A `distributed.Client` to the site's cluster, closed on exit."""
+        from distributed import Client, LocalCluster
+
+        if self.scheduler_address:
+            with Client(self.scheduler_address, timeout="30s") as client:
+                yield client
+            return
+        # Processes, not threads: feature nodes are NumPy-heavy Python and hold the GIL.
+        with (
+            LocalCluster(
+                n_workers=self.n_workers,
+                threads_per_worker=self.threads_per_worker,
+                processes=True,
+                dashboard_address=None,
+                silence_logs=40,
+            ) as cluster,
+            Client(cluster) as client,
+        ):
+            yield client

@@ -1,0 +1,50 @@
+"""MLflow tracking settings: where runs, metrics and artifacts go."""
+
+from __future__ import annotations
+
+import os
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+
+class MlflowTracking(Block):
+    """Where quantloop records runs: an MLflow tracking server or a local SQLite store.
+
+    Example:
+        ```python
+        from blocks.tracking import MlflowTracking
+        tracking = MlflowTracking.load("desk-mlflow")
+        print(tracking.tracking_uri, tracking.experiment)
+        ```
+    """
+
+    _block_type_name = "quantloop MLflow Tracking"
+    _block_type_slug = "quantloop-mlflow-tracking"
+    _description = "MLflow tracking URI, experiment and artifact location for quantloop runs."
+
+    tracking_uri: str = Field(
+        default="sqlite:///.quantloop/mlflow.db",
+        description="MLflow tracking URI: http://host:5000 for a server, sqlite:///path for local.",
+    )
+    experiment: str = Field(default="quantloop", description="MLflow experiment name.")
+    artifact_location: str | None = Field(
+        default=None,
+        description="Where a new experiment stores artifacts (local store only; a server "
+        "decides its own). Default: beside the SQLite file.",
+    )
+
+    def resolved_uri(self) -> str:
+        """The URI with a relative SQLite path made absolute (runs may change directory)."""
+        prefix = "sqlite:///"
+        if self.tracking_uri.startswith(prefix) and not self.tracking_uri.startswith(prefix + "/"):
+            return prefix + os.path.abspath(self.tracking_uri[len(prefix) :])
+        return self.tracking_uri
+
+    def resolved_artifact_location(self) -> str | None:
+        if self.artifact_location:
+            return self.artifact_location
+        uri = self.resolved_uri()
+        if uri.startswith("sqlite:///"):
+            return os.path.join(os.path.dirname(uri[len("sqlite:///") :]), "mlartifacts")
+        return None

@@ -1,0 +1,1 @@
+"""Prefect flows: research and its stages."""

@@ -1,0 +1,1 @@
+"""PyTorch models of the order book."""

@@ -1,0 +1,1 @@
+"""The GPU optimization ladder: rungs, timing, equivalence."""

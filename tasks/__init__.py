@@ -1,0 +1,1 @@
+"""Prefect tasks and the pure functions they call."""

@@ -1,0 +1,78 @@
+"""Planning: turn catalog entries and parameters into nodes, and nodes into shards."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from tasks.catalog import Entry
+from tasks.features import FeatureParams, feature_set, features_node
+from tasks.nodes import Node, NodeKind, code_fingerprint, sha256_json
+
+
+def feature_kind() -> NodeKind:
+    """The feature node kind; its code fingerprint is the whole features module."""
+    return NodeKind(
+        name="features",
+        compute=features_node,
+        code=code_fingerprint(sys.modules[features_node.__module__]),
+    )
+
+
+def product_params(
+    base: FeatureParams, overrides: Mapping[str, Mapping], products: Sequence[str]
+) -> dict[str, FeatureParams]:
+    """Feature parameters per product: the base with that product's overrides.
+
+    Overrides may tune a product's windows but not change the feature layout,
+    since one model reads every product.
+    """
+    unknown = set(overrides) - set(products)
+    if unknown:
+        raise ValueError(f"product_features names products not in this run: {sorted(unknown)}")
+    out = {}
+    layout = feature_set(base)
+    for product in products:
+        params = base
+        if product in overrides:
+            try:
+                params = replace(base, **dict(overrides[product]))
+            except TypeError as exc:
+                raise ValueError(f"product_features[{product!r}]: {exc}") from exc
+            if feature_set(params) != layout:
+                raise ValueError(
+                    f"product_features[{product!r}] changes the feature columns; "
+                    "only window lengths may differ between products"
+                )
+        out[product] = params
+    return out
+
+
+def plan_feature_nodes(
+    entries: Sequence[Entry], params: Mapping[str, FeatureParams], kind: NodeKind
+) -> tuple[list[Node], dict[str, dict]]:
+    """One feature node per input partition; returns the nodes and params by digest."""
+    by_digest: dict[str, dict] = {}
+    digest_of: dict[str, str] = {}
+    for product, p in params.items():
+        canonical = p.canonical()
+        digest_of[product] = sha256_json(canonical)
+        by_digest[digest_of[product]] = canonical
+    nodes = [
+        Node(
+            kind=kind.name,
+            partition=e.partition,
+            code=kind.code,
+            params=digest_of[e.partition.product],
+            inputs=e.digest,
+            input_url=e.location,
+        )
+        for e in entries
+    ]
+    return nodes, by_digest
+
+
+def shards(nodes: Sequence[Node], max_nodes: int) -> list[list[Node]]:
+    """Cut the node list into shards of at most `max_nodes`: the Prefect task unit."""
+    return [list(nodes[i : i + max_nodes]) for i in range(0, len(nodes), max_nodes)]

@@ -1,0 +1,113 @@
+"""Storage primitives over fsspec: one code path for a local folder and s3:// (s3fs).
+
+Every write here is atomic: a local file is written to a temporary name in the
+same folder and renamed into place; an object store gets one PUT. A crash can
+leave a stray temporary file, never a partial file under a final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import uuid
+from functools import lru_cache
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+TMP_MARK = ".tmp-"  # temporary files carry this in their name; readers skip them
+
+
+@lru_cache(maxsize=32)
+def _fs_for(protocol_root: str) -> fsspec.AbstractFileSystem:
+    fs, _ = fsspec.core.url_to_fs(protocol_root)
+    return fs
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path inside it) for a local path or a URL such as s3://bucket/x.
+
+    Filesystems are cached per protocol (and endpoint, read from the environment
+    by s3fs), so a worker reading many partitions opens one connection pool.
+    """
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    fs = _fs_for(f"{protocol}://") if protocol != "file" else _fs_for("file://")
+    path = fs._strip_protocol(url)
+    return fs, path
+
+
+def join(root: str, *parts: str) -> str:
+    return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_bytes_atomic(url: str, data: bytes) -> None:
+    """Write `data` to `url` so that readers see the whole file or nothing."""
+    fs, path = filesystem(url)
+    if is_local(fs):
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f"{TMP_MARK}{uuid.uuid4().hex}-{os.path.basename(path)}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+    else:
+        # One PUT: S3 makes an object visible only once it is complete.
+        fs.pipe_file(path, data)
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = filesystem(url)
+    return fs.cat_file(path)
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    return fs.exists(path)
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """Parquet bytes with fixed writer settings, so equal tables give equal digests."""
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd", write_statistics=True, store_schema=True)
+    return sink.getvalue()
+
+
+def write_parquet_atomic(url: str, table: pa.Table) -> tuple[str, int]:
+    """Write a table atomically; returns (sha256 of the file, size in bytes)."""
+    data = parquet_bytes(table)
+    write_bytes_atomic(url, data)
+    return sha256_hex(data), len(data)
+
+
+def read_parquet(url: str) -> pa.Table:
+    return pq.read_table(io.BytesIO(read_bytes(url)))
+
+
+def list_files(url: str, suffix: str = "") -> list[str]:
+    """Complete files under a folder (temporary files skipped), as URLs/paths."""
+    fs, path = filesystem(url)
+    if not fs.exists(path):
+        return []
+    found = fs.find(path)
+    prefix = url.split("://", 1)[0] + "://" if "://" in url else ""
+    return sorted(
+        prefix + p for p in found if p.endswith(suffix) and TMP_MARK not in os.path.basename(p)
+    )
