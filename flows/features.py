@@ -1,0 +1,191 @@
+"""The features stage: one node per (product, date), run on the site's Dask cluster.
+
+Prefect sees shards (a task per chunk of up to `shard_size` nodes); Dask sees
+batches of nodes; every node keeps its own key, output and manifest row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from quantloop import progress
+from quantloop.workspace import Selection, Workspace
+from tasks import tracking
+from tasks.features import FeatureParams
+from tasks.nodes import MANIFEST_SCHEMA, Node, NodeKind, NodeStore, RunResult, run_nodes
+from tasks.planning import feature_kind, plan_feature_nodes, product_params, shards
+from tasks.schema import Partition
+
+
+class NodeFailures(RuntimeError):
+    """Some nodes failed; their partitions and errors are listed, the rest are cached."""
+
+
+@task(name="feature-shard", cache_policy=NO_CACHE)
+def feature_shard(
+    kind: NodeKind,
+    params: Mapping[str, dict],
+    nodes: Sequence[Node],
+    store_root: str,
+    site: str,
+    client: object | None,
+    shard: str,
+) -> RunResult:
+    result = run_nodes(
+        kind,
+        params,
+        nodes,
+        NodeStore(store_root),
+        client=client,
+        site=site,
+        progress=lambda done, total: progress.report(f"features {shard}", done, total),
+    )
+    get_run_logger().info(
+        "shard %s: %d nodes, %d cache hits, %d computed, %d failed in %.2f s",
+        shard,
+        result.nodes,
+        result.cache_hits,
+        result.computed,
+        result.failed,
+        result.wall_s,
+    )
+    return result
+
+
+def plan(
+    workspace: Workspace,
+    selection: Selection,
+    params: FeatureParams,
+    product_features: dict[str, dict] | None,
+) -> tuple[NodeKind, list[Node], dict[str, dict]]:
+    """The feature nodes of a selection (pure planning: catalog read and hashing)."""
+    entries = selection.entries(workspace.catalog())
+    kind = feature_kind()
+    products = sorted({e.partition.product for e in entries})
+    per_product = product_params(params, product_features or {}, products)
+    nodes, by_digest = plan_feature_nodes(entries, per_product, kind)
+    return kind, nodes, by_digest
+
+
+@flow(name="features")
+def features(
+    workspace: Workspace = Workspace(),
+    selection: Selection = Selection(),
+    features: FeatureParams = FeatureParams(),
+    product_features: dict[str, dict] | None = None,
+    shard_size: int = 10_000,
+    parent_run_id: str | None = None,
+) -> RunResult:
+    """Compute, or find in the cache, the feature node of every selected partition.
+
+    With `parent_run_id`, records a "features" MLflow child run: counts, throughput,
+    the hashes, and the node manifest as a Parquet artifact.
+    """
+    logger = get_run_logger()
+    kind, nodes, by_digest = plan(workspace, selection, features, product_features)
+    site = workspace.resolve_site()
+    logger.info("%d feature nodes on site %s (%s)", len(nodes), site.name, site.root)
+    results = []
+    with site.client() as client:
+        for i, shard_nodes in enumerate(shards(nodes, shard_size)):
+            results.append(
+                feature_shard(
+                    kind, by_digest, shard_nodes, site.root, site.name, client, f"{site.name}-{i}"
+                )
+            )
+    manifest = (
+        pa.concat_tables([r.manifest for r in results])
+        if results
+        else MANIFEST_SCHEMA.empty_table()
+    )
+    result = RunResult(
+        manifest=manifest,
+        nodes=sum(r.nodes for r in results),
+        cache_hits=sum(r.cache_hits for r in results),
+        computed=sum(r.computed for r in results),
+        failed=sum(r.failed for r in results),
+        wall_s=sum(r.wall_s for r in results),
+    )
+    logger.info(
+        "features: %d nodes, %d cache hits, %d computed, %d failed",
+        result.nodes,
+        result.cache_hits,
+        result.computed,
+        result.failed,
+    )
+    if parent_run_id is not None:
+        record(workspace, parent_run_id, kind, by_digest, site.name, result)
+    if result.failed:
+        lines = "\n  ".join(result.failures[:20])
+        raise NodeFailures(
+            f"{result.failed} of {result.nodes} feature nodes failed "
+            f"(the other {result.nodes - result.failed} are stored and cached):\n  {lines}"
+        )
+    return result
+
+
+def record(
+    workspace: Workspace,
+    parent_run_id: str,
+    kind: NodeKind,
+    params: Mapping[str, dict],
+    site: str,
+    result: RunResult,
+) -> str:
+    """One MLflow child run for the stage: summary metrics and the manifest, no per-node call."""
+    m = result.manifest
+    computed = m.filter(pc.invert(m["cache_hit"]))
+    compute_s = pc.sum(computed["duration_s"]).as_py() or 0.0
+    client, experiment = tracking.client_for(workspace.resolve_tracking())
+    with tracking.run(client, experiment, "features", parent=parent_run_id) as run:
+        run.params({"node_kind": kind.name, "code_fingerprint": kind.code, "site": site})
+        run.params({"params_hashes": ",".join(sorted(params))})
+        run.tags({"site": site})
+        run.metrics(
+            {
+                "nodes": result.nodes,
+                "cache_hits": result.cache_hits,
+                "computed": result.computed,
+                "failed": result.failed,
+                "wall_s": result.wall_s,
+                "nodes_per_s": result.nodes / result.wall_s if result.wall_s else 0.0,
+                "node_compute_s": compute_s,
+                "output_rows": pc.sum(m["rows"]).as_py() or 0,
+                "output_bytes": pc.sum(m["bytes"]).as_py() or 0,
+            }
+        )
+        run.table(m, "features_manifest.parquet", "manifest")
+        return run.run_id
+
+
+def feature_outputs(
+    workspace: Workspace,
+    selection: Selection,
+    params: FeatureParams,
+    product_features: dict[str, dict] | None = None,
+) -> dict[Partition, str]:
+    """Where each selected partition's features are stored; fails if any is missing."""
+    kind, nodes, _ = plan(workspace, selection, params, product_features)
+    store = NodeStore(workspace.resolve_site().root)
+    found = store.existing(kind.name, [n.key for n in nodes])
+    url_of = dict(zip(found["key"].to_pylist(), found["output_url"].to_pylist(), strict=True))
+    missing = [str(n.partition) for n in nodes if n.key not in url_of]
+    if missing:
+        raise LookupError(
+            f"features not computed for {len(missing)} partitions (e.g. {missing[:5]}); "
+            "run the features flow on this selection first"
+        )
+    return {n.partition: url_of[n.key] for n in nodes}
+
+
+def failed_partitions(manifest: pa.Table) -> list[str]:
+    failed = manifest.filter(pc.equal(manifest["status"], "failed"))
+    return [
+        f"{p}/{d}"
+        for p, d in zip(failed["product"].to_pylist(), failed["date"].to_pylist(), strict=True)
+    ]

@@ -1,0 +1,246 @@
+"""The research flow: data -> features -> train -> simulate, recorded in MLflow.
+
+Its one parameter is a typed model, so the Prefect UI renders it as a form.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from dataclasses import asdict
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field
+
+from flows.features import features as features_flow
+from flows.simulate import simulate as simulate_flow
+from flows.train import train as train_flow
+from quantloop import progress
+from quantloop.provenance import code_digest, git_commit
+from quantloop.workspace import Selection, Workspace
+from tasks import tracking
+from tasks.features import FeatureParams
+from tasks.landing import business_days, land_lobster, land_synthetic
+from tasks.nodes import sha256_json
+from tasks.simulation import SimConfig
+from tasks.synthetic import SyntheticConfig
+from tasks.training import TrainConfig
+
+
+class DataSource(BaseModel):
+    """Where the order books come from: LOBSTER files, or the synthetic generator."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lobster_dir: str | None = Field(
+        default=None,
+        description="Folder (or file) of LOBSTER zips or message/orderbook CSV pairs. "
+        "Empty: generate synthetic order books.",
+    )
+    products: list[str] = Field(
+        default=["SYNA", "SYNB", "SYNC"], description="Synthetic products to generate."
+    )
+    start_date: dt.date = Field(default=dt.date(2026, 3, 2), description="First synthetic date.")
+    n_dates: int = Field(default=4, ge=2, description="Synthetic trading days per product.")
+    synthetic: SyntheticConfig = Field(
+        default_factory=SyntheticConfig, description="Synthetic generator settings."
+    )
+
+
+class ResearchParams(BaseModel):
+    """Everything a research run depends on. Unknown fields are errors, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workspace: Workspace = Field(default_factory=Workspace)
+    data: DataSource = Field(default_factory=DataSource)
+    features: FeatureParams = Field(default_factory=FeatureParams)
+    product_features: dict[str, dict] = Field(
+        default_factory=dict,
+        description="Per-product feature overrides, e.g. {'SYNA': {'ofi_window': 20}}.",
+    )
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    simulation: SimConfig = Field(default_factory=SimConfig)
+    holdout_fraction: float = Field(
+        default=0.3, gt=0, lt=1, description="Share of dates (or of the day) held out."
+    )
+    shard_size: int = Field(default=10_000, ge=1, description="Nodes per Prefect shard task.")
+
+    def hash(self) -> str:
+        """Digest of what decides the result (not where it is stored)."""
+        return sha256_json(self.model_dump(mode="json", exclude={"workspace"}))
+
+
+@task(name="land-data", cache_policy=NO_CACHE)
+def land_data(params: ResearchParams) -> Selection:
+    """Put the run's input partitions in the catalog (a no-op for unchanged ones)."""
+    logger = get_run_logger()
+    ws, data = params.workspace, params.data
+    catalog, root = ws.catalog(), ws.resolve_site().root
+    report = lambda done, total: progress.report("data", done, total)  # noqa: E731
+    if data.lobster_dir:
+        landed = land_lobster(catalog, root, data.lobster_dir, progress=report)
+        dataset = "lobster"
+    else:
+        dates = business_days(data.start_date, data.n_dates)
+        landed = land_synthetic(
+            catalog, root, data.products, dates, data.synthetic, progress=report
+        )
+        dataset = "synthetic"
+    counts = {s: sum(1 for x in landed if x.status == s) for s in ("new", "changed", "unchanged")}
+    logger.info("landed %d partitions of %s: %s", len(landed), dataset, counts)
+    products = sorted({x.entry.partition.product for x in landed})
+    dates = sorted({x.entry.partition.date for x in landed})
+    return Selection(dataset=dataset, products=products, start=dates[0], end=dates[-1])
+
+
+def mlflow_link(uri: str, experiment_id: str, run_id: str) -> str:
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return (
+        f"`mlflow ui --backend-store-uri {uri}`, then /#/experiments/{experiment_id}/runs/{run_id}"
+    )
+
+
+@flow(name="research")
+def research(params: ResearchParams = ResearchParams()) -> dict:
+    """The whole loop on the selected data; returns the run summary (also in MLflow)."""
+    t0 = time.perf_counter()
+    logger = get_run_logger()
+    ws = params.workspace
+    site = ws.resolve_site()
+    tracking_block = ws.resolve_tracking()
+    client, experiment = tracking.client_for(tracking_block)
+    selection = land_data(params)
+    entries = selection.entries(ws.catalog())
+    data_digest = sha256_json(sorted((str(e.partition), e.digest) for e in entries))
+    shared = dict(workspace=ws, selection=selection, features=params.features)
+    tags = {
+        "prefect_flow_run_id": flow_run.id or "",
+        "site": site.name,
+        "code_digest": code_digest(),
+        "git_commit": git_commit(),
+        "params_hash": params.hash(),
+        "data_digest": data_digest,
+    }
+    with tracking.run(client, experiment, "research", tags=tags) as parent:
+        parent.params(
+            {
+                "dataset": selection.dataset,
+                "products": ",".join(selection.products or []),
+                "dates": f"{selection.start}..{selection.end}",
+                "partitions": len(entries),
+                **{f"features.{k}": v for k, v in params.features.canonical().items()},
+                **{f"train.{k}": v for k, v in asdict(params.train).items()},
+                **{f"sim.{k}": v for k, v in asdict(params.simulation).items()},
+                "holdout_fraction": params.holdout_fraction,
+            }
+        )
+        parent.tags(tags)
+        parent.flush()
+        feats = features_flow(
+            **shared,
+            product_features=params.product_features,
+            shard_size=params.shard_size,
+            parent_run_id=parent.run_id,
+        )
+        trained = train_flow(
+            **shared,
+            product_features=params.product_features,
+            config=params.train,
+            holdout_fraction=params.holdout_fraction,
+            parent_run_id=parent.run_id,
+        )
+        sim = simulate_flow(
+            trained.model_url,
+            **shared,
+            product_features=params.product_features,
+            config=params.simulation,
+            holdout_fraction=params.holdout_fraction,
+            parent_run_id=parent.run_id,
+        )
+        wall_s = time.perf_counter() - t0
+        parent.tags({"model_digest": trained.model_digest})
+        parent.metrics(
+            {
+                "wall_s": wall_s,
+                "nodes": feats.nodes,
+                "cache_hits": feats.cache_hits,
+                "computed": feats.computed,
+                "train_samples_per_s": trained.samples_per_s,
+                "trades": sim.trades,
+                **{f"markout_bps.{h}": v for h, v in sim.markout_bps.items()},
+                **{f"baseline_markout_bps.{h}": v for h, v in sim.baseline_markout_bps.items()},
+            }
+        )
+        run_id = parent.run_id
+    summary = {
+        "nodes": feats.nodes,
+        "cache_hits": feats.cache_hits,
+        "computed": feats.computed,
+        "markout_bps": sim.markout_bps,
+        "baseline_markout_bps": sim.baseline_markout_bps,
+        "hit_rate": sim.model["total"]["hit_rate"],
+        "baseline_hit_rate": sim.baseline["total"]["hit_rate"],
+        "trades": sim.trades,
+        "baseline_trades": sim.baseline_trades,
+        "per_product": {
+            p: {"model": sim.model[p], "baseline": sim.baseline[p]}
+            for p in sim.model
+            if p != "total"
+        },
+        "model_digest": trained.model_digest,
+        "model_url": trained.model_url,
+        "data_digest": data_digest,
+        "code_digest": tags["code_digest"],
+        "params_hash": tags["params_hash"],
+        "dataset": selection.dataset,
+        "mlflow_run_id": run_id,
+        "mlflow_experiment_id": experiment,
+        "tracking_uri": tracking_block.resolved_uri(),
+        "prefect_flow_run_id": tags["prefect_flow_run_id"],
+        "wall_s": time.perf_counter() - t0,
+    }
+    create_markdown_artifact(
+        markdown=summary_markdown(
+            summary, mlflow_link(summary["tracking_uri"], experiment, run_id)
+        ),
+        key="research-summary",
+        description="Mark-out of the model and the baseline, cache hits and MLflow links",
+    )
+    logger.info("research done in %.1f s; MLflow run %s", summary["wall_s"], run_id)
+    return summary
+
+
+def summary_markdown(summary: dict, link: str) -> str:
+    horizons = list(summary["markout_bps"])
+    head = "| signal | trades | " + " | ".join(horizons) + " |"
+    rule = "|---|---:|" + "---:|" * len(horizons)
+    rows = [
+        f"| {name} | {summary[t]} | " + " | ".join(f"{summary[k][h]:+.2f}" for h in horizons) + " |"
+        for name, k, t in (
+            ("model", "markout_bps", "trades"),
+            ("baseline (book imbalance)", "baseline_markout_bps", "baseline_trades"),
+        )
+    ]
+    return "\n".join(
+        [
+            f"# Research run on `{summary['dataset']}`",
+            "",
+            f"Feature nodes: **{summary['nodes']}** ({summary['cache_hits']} cache hits, "
+            f"{summary['computed']} computed). Wall time {summary['wall_s']:.1f} s.",
+            "",
+            "## Mark-out (bps, held-out data)",
+            head,
+            rule,
+            *rows,
+            "",
+            f"MLflow run `{summary['mlflow_run_id']}`: {link}",
+            "",
+            f"Model `{summary['model_digest'][:16]}`, data `{summary['data_digest'][:16]}`, "
+            f"code `{summary['code_digest'][:16]}`, params `{summary['params_hash'][:16]}`.",
+        ]
+    )

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up .venv with quantloop in it; README's two commands start with this.
+#   bash infra/install.sh          the package (to run flows and the CLI)
+#   bash infra/install.sh --dev    also what the tests and lint need
+# Without an NVIDIA GPU it installs PyTorch's CPU build first (TORCH_SPEC, default
+# torch==2.13.0, which these machines hold as a local CPU wheel); with one, pip
+# resolves pyproject's torch range to the CUDA build a GPU user wants.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+python=${PYTHON:-$(command -v python3.11 || command -v python3)}
+"$python" -c 'import sys; assert sys.version_info >= (3, 11), "quantloop needs Python >= 3.11"'
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "install: NVIDIA GPU found, torch comes from pyproject's range (a CUDA build)"
+  else
+    echo "install: no GPU, installing ${TORCH_SPEC:-torch==2.13.0} (CPU build)"
+    "${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+  fi
+fi
+# Everything else in one resolve: installed one by one, moto pulls a botocore
+# that s3fs's aiobotocore rejects.
+"${pip[@]}" -e ".${extras}"
+echo "install: done ($(.venv/bin/python -c 'import torch, prefect, mlflow; print(f"torch {torch.__version__}, prefect {prefect.__version__}, mlflow {mlflow.__version__}")'))"
