@@ -29,8 +29,15 @@ class ModelConfig:
     max_len: int = 512  # longest window the positional table covers
 
     def __post_init__(self) -> None:
-        for name in ("n_features", "n_outputs", "d_model", "n_layers", "n_heads", "ff_mult",
-                     "max_len"):
+        for name in (
+            "n_features",
+            "n_outputs",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "ff_mult",
+            "max_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

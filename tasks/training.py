@@ -1,0 +1,438 @@
+"""Windows of feature rows -> OrderBookNet, trained with a fixed seed; predict, save, load.
+
+Data layout: every table's input columns are stacked into one float32 matrix with a
+trailing zero row, and a window is a row of indices into it ([N, T], padding points
+at the zero row). The matrix, the indices and the labels go to the device once;
+a batch is one gather there, so the loop has no host->device copy and no host sync
+until the loss curve is read at the end. `train_step` is a plain function that an
+optimization ladder (torch.compile, autocast, CUDA graphs) can wrap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+
+from models.orderbook import ModelConfig, OrderBookNet
+
+INPUT_CLIP = 10.0  # standardized inputs are clipped to +-10 std: one wild event can't dominate
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainConfig:
+    seed: int = 0
+    window: int = 32  # events per window, the anchor (current event) included
+    stride: int = 4  # one anchor every `stride` events
+    batch_size: int = 256
+    steps: int = 300
+    lr: float = 2e-3
+    weight_decay: float = 1e-4
+    device: str = "auto"  # "auto" = cuda if available else cpu
+    log_every: int = 10  # one loss-curve point (mean loss) per this many steps
+    # torch intra-op CPU threads inside train/predict (restored after; 0 = leave torch's
+    # setting). 1 by default: this model's ops are too small to gain from more, and spinning
+    # OpenMP threads collapse when the cores are shared (measured on a busy 2-core box:
+    # 43 ms/step with 1 thread, ~1 s/step with 2)
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("window", "stride", "batch_size", "steps", "log_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ValueError(f"device {self.device!r} is not a torch device") from exc
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------- windows
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WindowData:
+    """Training windows as indices into one stacked feature matrix (no [N, T, F] copy)."""
+
+    features: np.ndarray  # [rows + 1, F] float32; the last row is zeros, the padding row
+    index: np.ndarray  # [N, T] int64 into features; padding positions point at the last row
+    mask: np.ndarray  # [N, T] bool, True = real event; windows are right-aligned
+    labels: np.ndarray  # [N, L] float32, labels at the anchor (the window's last event)
+    table: np.ndarray  # [N] int64, which input table each window comes from
+    row: np.ndarray  # [N] int64, the anchor's row in that table
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def batch(self, which: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x [B, T, F], mask [B, T], y [B, L] for windows `which`."""
+        idx = self.index[which]
+        return self.features[idx], self.mask[which], self.labels[which]
+
+
+def column_matrix(table: pa.Table, names: Sequence[str]) -> np.ndarray:
+    """[rows, len(names)] float32 of the named columns."""
+    missing = [n for n in names if n not in table.column_names]
+    if missing:
+        raise ValueError(f"table has no column(s) {missing}; it has {table.column_names}")
+    if not names:
+        return np.zeros((table.num_rows, 0), np.float32)
+    return np.column_stack(
+        [table.column(n).to_numpy(zero_copy_only=False).astype(np.float32) for n in names]
+    )
+
+
+def window_rows(anchors: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [N, T] from anchor - (T-1) to anchor, and mask [N, T] False before row 0."""
+    rows = anchors[:, None] + np.arange(1 - window, 1)[None, :]
+    return rows, rows >= 0
+
+
+def make_windows(
+    tables: Sequence[pa.Table], inputs: Sequence[str], labels: Sequence[str], cfg: TrainConfig
+) -> WindowData:
+    """Anchors every `cfg.stride` events (rows 0, stride, 2*stride, ...) whose labels are all
+    finite; each window is the `cfg.window` events up to and including the anchor, from the
+    same table only (a day's first events get left padding, mask False)."""
+    pad = sum(t.num_rows for t in tables)  # index of the zero padding row
+    feats, idx, masks, ys, which, anchor_rows = [], [], [], [], [], []
+    offset = 0
+    for i, table in enumerate(tables):  # one iteration per table (day), not per window
+        x = column_matrix(table, inputs)
+        y = column_matrix(table, labels)
+        anchors = np.arange(0, table.num_rows, cfg.stride)
+        anchors = anchors[np.isfinite(y[anchors]).all(axis=1)]
+        rows, mask = window_rows(anchors, cfg.window)
+        feats.append(x)
+        idx.append(np.where(mask, rows + offset, pad))
+        masks.append(mask)
+        ys.append(y[anchors])
+        which.append(np.full(len(anchors), i, np.int64))
+        anchor_rows.append(anchors)
+        offset += table.num_rows
+    feats.append(np.zeros((1, len(inputs)), np.float32))
+    return WindowData(
+        features=np.concatenate(feats),
+        index=np.concatenate(idx, dtype=np.int64) if idx else np.zeros((0, cfg.window), np.int64),
+        mask=np.concatenate(masks) if masks else np.zeros((0, cfg.window), bool),
+        labels=np.concatenate(ys) if ys else np.zeros((0, len(labels)), np.float32),
+        table=np.concatenate(which) if which else np.zeros(0, np.int64),
+        row=np.concatenate(anchor_rows).astype(np.int64) if anchor_rows else np.zeros(0, np.int64),
+    )
+
+
+# ---------------------------------------------------------------- normalization
+
+
+def _finite_mean_std(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # x: [rows, F]; statistics over finite entries only; a constant column gets std 1
+    x = x.astype(np.float64)
+    finite = np.isfinite(x)
+    count = np.maximum(finite.sum(0), 1)
+    xz = np.where(finite, x, 0.0)
+    mean = xz.sum(0) / count
+    var = (np.where(finite, x - mean, 0.0) ** 2).sum(0) / count
+    std = np.sqrt(var)
+    return mean, np.where(std > 1e-12, std, 1.0)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Normalizer:
+    """Per-feature standardization of inputs and per-label standardization of targets."""
+
+    input_mean: np.ndarray  # [F] float64
+    input_std: np.ndarray  # [F]
+    label_mean: np.ndarray  # [L]
+    label_std: np.ndarray  # [L]
+
+    @classmethod
+    def fit(cls, data: WindowData) -> Normalizer:
+        """Input statistics over the rows the windows cover, label statistics over anchors."""
+        covered = np.zeros(len(data.features), bool)
+        covered[data.index[data.mask]] = True
+        input_mean, input_std = _finite_mean_std(data.features[covered])
+        label_mean, label_std = _finite_mean_std(data.labels)
+        return cls(
+            input_mean=input_mean, input_std=input_std, label_mean=label_mean, label_std=label_std
+        )
+
+    def apply_inputs(self, x: np.ndarray) -> np.ndarray:
+        """[..., F] raw -> standardized float32, clipped to +-INPUT_CLIP; NaN/inf -> 0 (mean)."""
+        z = (x - self.input_mean) / self.input_std
+        return np.clip(
+            np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0), -INPUT_CLIP, INPUT_CLIP
+        ).astype(np.float32)
+
+    def scale_labels(self, y: np.ndarray) -> np.ndarray:
+        return ((y - self.label_mean) / self.label_std).astype(np.float32)
+
+    def unscale_labels(self, z: np.ndarray) -> np.ndarray:
+        """Model outputs -> bps (float64)."""
+        return z.astype(np.float64) * self.label_std + self.label_mean
+
+    def to_dict(self) -> dict:
+        return {k: [float(v) for v in getattr(self, k)] for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Normalizer:
+        return cls(**{k: np.asarray(values[k], np.float64) for k in cls.__dataclass_fields__})
+
+
+# ---------------------------------------------------------------- training
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    """One optimizer step on MSE of standardized labels; returns the detached loss (no sync).
+
+    x: [B, T, F], mask: [B, T] bool, y: [B, L] standardized labels.
+    """
+    pred = model(x, mask)
+    loss = F.mse_loss(pred.float(), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def sample_order(n: int, cfg: TrainConfig) -> np.ndarray:
+    """[steps, batch] window indices: shuffled epochs from numpy Generator(seed), concatenated."""
+    rng = np.random.default_rng(cfg.seed)
+    need = cfg.steps * cfg.batch_size
+    epochs = -(-need // n)
+    order = np.concatenate([rng.permutation(n) for _ in range(epochs)])[:need]
+    return order.reshape(cfg.steps, cfg.batch_size)
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """sha256 hex of the state dict: names sorted, each with dtype, shape and raw bytes."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainResult:
+    model: OrderBookNet
+    model_config: ModelConfig
+    train_config: TrainConfig
+    normalizer: Normalizer
+    inputs: list[str]
+    labels: list[str]
+    loss_curve: list[float]  # mean training loss per `log_every` steps (standardized MSE)
+    model_digest: str
+    samples: int  # training windows available
+    samples_seen: int  # steps * batch_size
+    duration_s: float  # the optimization loop, ending with the one host sync
+    samples_per_s: float  # samples_seen / duration_s
+    device: str
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    if n <= 0:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def train(
+    tables: Sequence[pa.Table],
+    inputs: Sequence[str],
+    labels: Sequence[str],
+    cfg: TrainConfig,
+    model_cfg: ModelConfig | None = None,
+) -> TrainResult:
+    """Fit OrderBookNet on windows of `tables`. Same seed + data -> same curve and digest (CPU).
+
+    model_cfg defaults to ModelConfig(n_features=len(inputs), n_outputs=len(labels)).
+    The global torch RNG state is restored afterwards.
+    """
+    inputs, labels = list(inputs), list(labels)
+    if model_cfg is None:
+        model_cfg = ModelConfig(n_features=len(inputs), n_outputs=len(labels))
+    if (model_cfg.n_features, model_cfg.n_outputs) != (len(inputs), len(labels)):
+        raise ValueError(
+            f"model_cfg has n_features={model_cfg.n_features}, n_outputs={model_cfg.n_outputs}"
+            f" but there are {len(inputs)} inputs and {len(labels)} labels"
+        )
+    if cfg.window > model_cfg.max_len:
+        raise ValueError(f"window {cfg.window} exceeds model max_len {model_cfg.max_len}")
+    device = resolve_device(cfg.device)
+    data = make_windows(tables, inputs, labels, cfg)
+    if len(data) == 0:
+        raise ValueError("no training windows: no anchor row has all labels finite")
+    normalizer = Normalizer.fit(data)
+    features = normalizer.apply_inputs(data.features)
+    features[-1] = 0.0  # keep the padding row zero
+
+    # everything the loop reads lives on the device; a batch is a gather there
+    feats_t = torch.from_numpy(features).to(device)  # [rows + 1, F]
+    index_t = torch.from_numpy(data.index).to(device)  # [N, T]
+    mask_t = torch.from_numpy(data.mask).to(device)  # [N, T]
+    labels_t = torch.from_numpy(normalizer.scale_labels(data.labels)).to(device)  # [N, L]
+    order_t = torch.from_numpy(sample_order(len(data), cfg)).to(device)  # [steps, B]
+
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), _torch_threads(cfg.num_threads):
+        torch.manual_seed(cfg.seed)
+        model = OrderBookNet(model_cfg).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        losses = torch.zeros(cfg.steps, device=device)  # filled on device, read once at the end
+        model.train()
+        start = time.perf_counter()
+        for step in range(cfg.steps):
+            b = order_t[step]
+            loss = train_step(model, optimizer, feats_t[index_t[b]], mask_t[b], labels_t[b])
+            losses[step] = loss
+        curve = losses.cpu().numpy().astype(np.float64)  # the one host sync
+        duration = time.perf_counter() - start
+        model.eval()
+
+    starts = np.arange(0, cfg.steps, cfg.log_every)
+    counts = np.diff(np.append(starts, cfg.steps))
+    seen = cfg.steps * cfg.batch_size
+    return TrainResult(
+        model=model,
+        model_config=model_cfg,
+        train_config=cfg,
+        normalizer=normalizer,
+        inputs=inputs,
+        labels=labels,
+        loss_curve=(np.add.reduceat(curve, starts) / counts).tolist(),
+        model_digest=model_digest(model),
+        samples=len(data),
+        samples_seen=seen,
+        duration_s=duration,
+        samples_per_s=seen / duration if duration > 0 else float("inf"),
+        device=str(device),
+    )
+
+
+# ---------------------------------------------------------------- inference and persistence
+
+
+def predict(
+    result: TrainResult,
+    table: pa.Table,
+    inputs: Sequence[str] | None = None,
+    batch_size: int = 4096,
+) -> np.ndarray:
+    """Predictions in bps for every row of a feature table: [rows, n_outputs] float64.
+
+    Each row is the anchor of its own window; the first rows of the day get shorter,
+    left-padded windows, exactly as in training.
+    """
+    if inputs is not None and list(inputs) != result.inputs:
+        raise ValueError(f"inputs {list(inputs)} differ from the model's inputs {result.inputs}")
+    n, window = table.num_rows, result.train_config.window
+    model = result.model.eval()
+    device = next(model.parameters()).device
+    features = result.normalizer.apply_inputs(column_matrix(table, result.inputs))
+    feats_t = torch.from_numpy(
+        np.concatenate([features, np.zeros((1, features.shape[1]), np.float32)])
+    ).to(device)
+    offsets = torch.arange(1 - window, 1, device=device)  # [T]
+    out = np.empty((n, result.model_config.n_outputs), np.float32)
+    with torch.no_grad(), _torch_threads(result.train_config.num_threads):
+        for start in range(0, n, batch_size):  # one iteration per batch of rows
+            stop = min(n, start + batch_size)
+            rows = torch.arange(start, stop, device=device)[:, None] + offsets  # [B, T]
+            mask = rows >= 0
+            x = feats_t[torch.where(mask, rows, n)]  # [B, T, F]; n is the zero row
+            out[start:stop] = model(x, mask).float().cpu().numpy()
+    return result.normalizer.unscale_labels(out)
+
+
+def save_model(result: TrainResult, path: str | os.PathLike) -> None:
+    """torch.save of the state dict, configs, normalizer and metadata; atomic via os.replace."""
+    path = Path(path)
+    payload = {
+        "format": 1,
+        "state_dict": {k: v.detach().cpu() for k, v in result.model.state_dict().items()},
+        "model_config": asdict(result.model_config),
+        "train_config": asdict(result.train_config),
+        "normalizer": result.normalizer.to_dict(),
+        "inputs": list(result.inputs),
+        "labels": list(result.labels),
+        "loss_curve": list(result.loss_curve),
+        "model_digest": result.model_digest,
+        "samples": result.samples,
+        "samples_seen": result.samples_seen,
+        "duration_s": result.duration_s,
+        "samples_per_s": result.samples_per_s,
+        "device": result.device,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_model(path: str | os.PathLike, device: str = "cpu") -> TrainResult:
+    """Inverse of save_model; the model comes back in eval mode on `device`.
+
+    Raises ValueError if the weights do not match the stored digest.
+    """
+    payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    model_cfg = ModelConfig(**payload["model_config"])
+    model = OrderBookNet(model_cfg)
+    model.load_state_dict(payload["state_dict"])
+    digest = model_digest(model)
+    if digest != payload["model_digest"]:
+        raise ValueError(f"{path}: weights digest {digest} != stored {payload['model_digest']}")
+    return TrainResult(
+        model=model.to(resolve_device(device)).eval(),
+        model_config=model_cfg,
+        train_config=TrainConfig(**payload["train_config"]),
+        normalizer=Normalizer.from_dict(payload["normalizer"]),
+        inputs=list(payload["inputs"]),
+        labels=list(payload["labels"]),
+        loss_curve=list(payload["loss_curve"]),
+        model_digest=digest,
+        samples=payload["samples"],
+        samples_seen=payload["samples_seen"],
+        duration_s=payload["duration_s"],
+        samples_per_s=payload["samples_per_s"],
+        device=payload["device"],
+    )
