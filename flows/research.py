@@ -192,6 +192,8 @@ def research(params: ResearchParams = ResearchParams()) -> dict:
             for p in sim.model
             if p != "total"
         },
+        "model_cached": trained.cache_hit,
+        "simulation_cached": sim.cache_hit,
         "model_digest": trained.model_digest,
         "model_url": trained.model_url,
         "data_digest": data_digest,

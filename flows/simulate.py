@@ -6,14 +6,17 @@ from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from flows.features import feature_outputs
 from flows.train import fetch_model
 from quantloop.workspace import Selection, Workspace
-from tasks import plots, storage, tracking
+from tasks import plots, simulation, storage, tracking, training
 from tasks.features import FeatureParams
+from tasks.nodes import code_fingerprint, sha256_json
+from tasks.schema import Partition
 from tasks.simulation import (
     SimConfig,
     baseline_signal,
@@ -26,7 +29,7 @@ from tasks.simulation import (
 from tasks.simulation import (
     simulate as replay,
 )
-from tasks.training import predict
+from tasks.training import TrainResult, predict
 
 
 class SimSummary(BaseModel):
@@ -36,6 +39,7 @@ class SimSummary(BaseModel):
     baseline_markout_bps: dict[str, float]
     trades: int
     baseline_trades: int
+    cache_hit: bool = False
     mlflow_run_id: str | None = None
 
 
@@ -52,30 +56,26 @@ def simulate(
 ) -> SimSummary:
     """Replay the held-out part of every selected partition with the model and the baseline."""
     logger = get_run_logger()
-    model = fetch_model(model_url)
     outputs = feature_outputs(workspace, selection, features, product_features)
-    tables = {p: storage.read_parquet(url) for p, url in outputs.items()}
-    train_parts, test_parts = split_train_test(tables, holdout_fraction)
-    products = sorted({p.product for p in tables})
-    marks: dict[str, dict[str, list[pa.Table]]] = {"model": {}, "baseline": {}}
-    for product in products:
-        train_tables = [t for p, t in train_parts.items() if p.product == product]
-        test = [(p, t) for p, t in sorted(test_parts.items()) if p.product == product]
-        signals = {
-            "model": lambda t: signal_column(predict(model, t), config),
-            "baseline": baseline_signal,
+    key = sha256_json(
+        {
+            "kind": "simulation",
+            "code": code_fingerprint(simulation, training),
+            "config": asdict(config),
+            "model": model_url.rsplit("/", 1)[-1],
+            "features": sorted(u.rsplit("/", 1)[-1] for u in outputs.values()),
+            "holdout_fraction": holdout_fraction,
         }
-        for name, signal_of in signals.items():
-            # Each product's threshold comes from its own training days: trading rates match.
-            sample = np.concatenate([signal_of(t) for t in train_tables])
-            threshold = thresholds_from(sample, config)
-            for _, table in test:
-                trades = replay(table, signal_of(table), threshold, config)
-                marks[name].setdefault(product, []).append(markout(trades, table, config))
-    merged = {
-        name: {p: pa.concat_tables(ts) for p, ts in by_product.items()}
-        for name, by_product in marks.items()
-    }
+    )
+    url = storage.join(workspace.resolve_site().root, "simulations", f"{key}.parquet")
+    cache_hit = storage.exists(url)
+    model = fetch_model(model_url)
+    if cache_hit:
+        logger.info("simulation %s is cached: not replayed", key[:12])
+        merged = _split(storage.read_parquet(url))
+    else:
+        merged = replay_all(model, outputs, config, holdout_fraction)
+        storage.write_parquet_atomic(url, _stack(merged))
     model_summary = summarize(merged["model"])
     base_summary = summarize(merged["baseline"])
     result = SimSummary(
@@ -85,6 +85,7 @@ def simulate(
         baseline_markout_bps=base_summary["total"]["mean_bps"],
         trades=model_summary["total"]["count"],
         baseline_trades=base_summary["total"]["count"],
+        cache_hit=cache_hit,
     )
     logger.info("model mark-out (bps): %s", _fmt(result.markout_bps))
     logger.info("baseline mark-out (bps): %s", _fmt(result.baseline_markout_bps))
@@ -102,14 +103,8 @@ def simulate(
                     )
                     run.metrics({f"{prefix}.hit_rate.{h}": v for h, v in stats["hit_rate"].items()})
             run.flush()
-            for name, by_product in merged.items():
-                table = pa.concat_tables(
-                    [
-                        t.append_column("product", pa.array([p] * t.num_rows, pa.string()))
-                        for p, t in by_product.items()
-                    ]
-                )
-                run.table(table, f"{name}_markouts.parquet", "markouts")
+            run.tags({"simulation_key": key, "cache_hit": cache_hit})
+            run.table(_stack(merged), "markouts.parquet", "markouts")
             run.figure(
                 plots.markout_curve(
                     {"model": result.markout_bps, "baseline": result.baseline_markout_bps}
@@ -118,6 +113,59 @@ def simulate(
             )
             result.mlflow_run_id = run.run_id
     return result
+
+
+def replay_all(
+    model: TrainResult,
+    outputs: dict[Partition, str],
+    config: SimConfig,
+    holdout_fraction: float,
+) -> dict[str, dict[str, pa.Table]]:
+    """Mark-outs by signal ("model", "baseline") and product, over the held-out data."""
+    tables = {p: storage.read_parquet(url) for p, url in outputs.items()}
+    train_parts, test_parts = split_train_test(tables, holdout_fraction)
+    marks: dict[str, dict[str, list[pa.Table]]] = {"model": {}, "baseline": {}}
+    for product in sorted({p.product for p in tables}):
+        train_tables = [t for p, t in train_parts.items() if p.product == product]
+        test = [t for p, t in sorted(test_parts.items()) if p.product == product]
+        signals = {
+            "model": lambda t: signal_column(predict(model, t), config),
+            "baseline": baseline_signal,
+        }
+        for name, signal_of in signals.items():
+            # Each product's threshold comes from its own training days: trading rates match.
+            threshold = thresholds_from(
+                np.concatenate([signal_of(t) for t in train_tables]), config
+            )
+            for table in test:
+                trades = replay(table, signal_of(table), threshold, config)
+                marks[name].setdefault(product, []).append(markout(trades, table, config))
+    return {
+        name: {p: pa.concat_tables(ts) for p, ts in by_product.items()}
+        for name, by_product in marks.items()
+    }
+
+
+def _stack(merged: dict[str, dict[str, pa.Table]]) -> pa.Table:
+    """One table of every mark-out, with `signal` and `product` columns."""
+    parts = []
+    for name, by_product in merged.items():
+        for product, t in by_product.items():
+            n = t.num_rows
+            t = t.append_column("signal_name", pa.array([name] * n, pa.string()))
+            parts.append(t.append_column("product", pa.array([product] * n, pa.string())))
+    return pa.concat_tables(parts)
+
+
+def _split(table: pa.Table) -> dict[str, dict[str, pa.Table]]:
+    out: dict[str, dict[str, pa.Table]] = {}
+    for name in ("model", "baseline"):
+        rows = table.filter(pc.equal(table["signal_name"], name))
+        out[name] = {
+            p: rows.filter(pc.equal(rows["product"], p)).drop_columns(["signal_name", "product"])
+            for p in sorted(set(rows["product"].to_pylist()))
+        }
+    return out
 
 
 def _fmt(curve: dict[str, float]) -> str:

@@ -10,18 +10,21 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from flows.features import feature_outputs
+from models import orderbook
 from quantloop.workspace import Selection, Workspace
-from tasks import plots, storage, tracking
+from tasks import plots, storage, tracking, training
 from tasks.features import FeatureParams, feature_set
-from tasks.nodes import sha256_json
+from tasks.nodes import code_fingerprint, sha256_json
 from tasks.simulation import split_train_test
-from tasks.training import TrainConfig, load_model, save_model
+from tasks.training import TrainConfig, load_model, resolve_device, save_model
 from tasks.training import train as fit
 
 
 class TrainSummary(BaseModel):
     model_url: str
+    model_key: str
     model_digest: str
+    cache_hit: bool
     loss_curve: list[float]
     samples: int
     samples_per_s: float
@@ -30,9 +33,23 @@ class TrainSummary(BaseModel):
     mlflow_run_id: str | None = None
 
 
-def model_url(root: str, digest: str) -> str:
-    """Models are stored content-addressed, like nodes."""
-    return storage.join(root, "models", f"{digest}.pt")
+def model_url(root: str, key: str) -> str:
+    """Models are stored under their key, like nodes; the file records its weights' digest."""
+    return storage.join(root, "models", f"{key}.pt")
+
+
+def model_key(config: TrainConfig, feature_keys: list[str], holdout_fraction: float) -> str:
+    """What decides the weights: training code, config, device type, features, the split."""
+    return sha256_json(
+        {
+            "kind": "model",
+            "code": code_fingerprint(training, orderbook),
+            "config": asdict(config),
+            "device": resolve_device(config.device).type,
+            "features": sorted(feature_keys),
+            "holdout_fraction": holdout_fraction,
+        }
+    )
 
 
 def fetch_model(url: str, device: str = "cpu"):
@@ -59,7 +76,20 @@ def train(
     """Train on every selected partition's training part (the held-out part is not read)."""
     logger = get_run_logger()
     outputs = feature_outputs(workspace, selection, features, product_features)
-    tables = {p: storage.read_parquet(url) for p, url in outputs.items()}
+    site = workspace.resolve_site()
+    key = model_key(config, [u.rsplit("/", 1)[-1] for u in outputs.values()], holdout_fraction)
+    url = model_url(site.root, key)
+    if storage.exists(url):
+        # The file is written atomically, so existing means complete; load checks the digest.
+        result = fetch_model(url)
+        logger.info(
+            "model %s is cached (weights %s): not retrained", key[:12], result.model_digest[:12]
+        )
+        return _summary(result, url, key, cache_hit=True, run_id=_record(
+            workspace, parent_run_id, config, features, holdout_fraction, len(outputs),
+            result, key, site.name, cache_hit=True, local=None,
+        ))  # fmt: skip
+    tables = {p: storage.read_parquet(u) for p, u in outputs.items()}
     train_parts, _ = split_train_test(tables, holdout_fraction)
     layout = feature_set(features)
     result = fit(list(train_parts.values()), layout.inputs, layout.labels, config)
@@ -72,43 +102,24 @@ def train(
         result.samples_per_s,
         result.loss_curve[-1] if result.loss_curve else float("nan"),
     )
-    site = workspace.resolve_site()
-    url = model_url(site.root, result.model_digest)
     with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, f"{result.model_digest}.pt")
+        local = os.path.join(tmp, f"{key}.pt")
         save_model(result, local)
         with open(local, "rb") as f:
             storage.write_bytes_atomic(url, f.read())
-        run_id = None
-        if parent_run_id is not None:
-            client, experiment = tracking.client_for(workspace.resolve_tracking())
-            with tracking.run(client, experiment, "train", parent=parent_run_id) as run:
-                run.params({f"train.{k}": v for k, v in asdict(config).items()})
-                run.params(
-                    {
-                        "features_hash": sha256_json(features.canonical()),
-                        "holdout_fraction": holdout_fraction,
-                        "partitions": len(train_parts),
-                    }
-                )
-                run.tags({"model_digest": result.model_digest, "site": site.name})
-                run.metrics(
-                    {
-                        "samples": result.samples,
-                        "samples_per_s": result.samples_per_s,
-                        "duration_s": result.duration_s,
-                        "final_loss": result.loss_curve[-1],
-                    }
-                )
-                steps = [(i + 1) * config.log_every for i in range(len(result.loss_curve))]
-                run.series("loss", result.loss_curve, steps)
-                run.flush()
-                run.figure(plots.loss_curve(result.loss_curve, config.log_every), "loss_curve.png")
-                run.artifact(local, "model")
-                run_id = run.run_id
+        run_id = _record(
+            workspace, parent_run_id, config, features, holdout_fraction, len(outputs),
+            result, key, site.name, cache_hit=False, local=local,
+        )  # fmt: skip
+    return _summary(result, url, key, cache_hit=False, run_id=run_id)
+
+
+def _summary(result, url: str, key: str, *, cache_hit: bool, run_id: str | None) -> TrainSummary:
     return TrainSummary(
         model_url=url,
+        model_key=key,
         model_digest=result.model_digest,
+        cache_hit=cache_hit,
         loss_curve=result.loss_curve,
         samples=result.samples,
         samples_per_s=result.samples_per_s,
@@ -116,3 +127,56 @@ def train(
         device=result.device,
         mlflow_run_id=run_id,
     )
+
+
+def _record(
+    workspace: Workspace,
+    parent_run_id: str | None,
+    config: TrainConfig,
+    features: FeatureParams,
+    holdout_fraction: float,
+    partitions: int,
+    result,
+    key: str,
+    site: str,
+    *,
+    cache_hit: bool,
+    local: str | None,
+) -> str | None:
+    """The "train" MLflow child run; the model file is attached when it was trained now."""
+    if parent_run_id is None:
+        return None
+    client, experiment = tracking.client_for(workspace.resolve_tracking())
+    with tracking.run(client, experiment, "train", parent=parent_run_id) as run:
+        run.params({f"train.{k}": v for k, v in asdict(config).items()})
+        run.params(
+            {
+                "features_hash": sha256_json(features.canonical()),
+                "holdout_fraction": holdout_fraction,
+                "partitions": partitions,
+            }
+        )
+        run.tags(
+            {
+                "model_key": key,
+                "model_digest": result.model_digest,
+                "site": site,
+                "cache_hit": cache_hit,
+            }
+        )
+        run.metrics(
+            {
+                "samples": result.samples,
+                "samples_per_s": result.samples_per_s,
+                "duration_s": result.duration_s,
+                "final_loss": result.loss_curve[-1],
+                "cache_hit": float(cache_hit),
+            }
+        )
+        steps = [(i + 1) * config.log_every for i in range(len(result.loss_curve))]
+        run.series("loss", result.loss_curve, steps)
+        run.flush()
+        run.figure(plots.loss_curve(result.loss_curve, config.log_every), "loss_curve.png")
+        if local is not None:
+            run.artifact(local, "model")
+        return run.run_id

@@ -40,7 +40,7 @@ def _markout_table(summary: dict) -> Table:
     horizons = list(summary["markout_bps"])
     for h in horizons:
         table.add_column(h, justify="right")
-    table.add_column("hit rate (first horizon)", justify="right")
+    table.add_column(f"hit {horizons[0]}", justify="right")
     for name, key, trades, hits in (
         ("model", "markout_bps", "trades", "hit_rate"),
         ("baseline", "baseline_markout_bps", "baseline_trades", "baseline_hit_rate"),
@@ -106,6 +106,10 @@ def run(
         f"feature nodes: {summary['nodes']} ({summary['cache_hits']} cache hits, "
         f"{summary['computed']} computed); wall {summary['wall_s']:.1f} s"
     )
+    cached = [n for n, hit in (("model", summary["model_cached"]),
+                               ("simulation", summary["simulation_cached"])) if hit]  # fmt: skip
+    if cached:
+        console.print(f"cached, not recomputed: {', '.join(cached)}")
     console.print(f"MLflow run {summary['mlflow_run_id']} at {summary['tracking_uri']}")
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
