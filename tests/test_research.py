@@ -1,0 +1,155 @@
+"""The research flow end to end: real Prefect API, real Dask cluster, real MLflow server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
+
+from flows.research import ResearchParams, research
+from quantloop.cli import app
+from tasks.catalog import Catalog
+from tasks.ingest import DataValidationError
+from tasks.landing import land_lobster
+
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "data": {
+        "products": ["SYNA", "SYNB"],
+        "n_dates": 3,
+        "synthetic": {"events_per_day": 4_000, "levels": 3},
+    },
+    "train": {"steps": 30, "batch_size": 64, "log_every": 5},
+}
+
+
+def tiny_params(home: Path, mlflow_uri: str, **extra) -> ResearchParams:
+    values = {**TINY, "workspace": {"home": str(home), "tracking_uri": mlflow_uri}, **extra}
+    return ResearchParams.model_validate(values)
+
+
+def children(client: MlflowClient, run_id: str) -> dict:
+    run = client.get_run(run_id)
+    found = client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'"
+    )
+    return {r.data.tags["mlflow.runName"]: r for r in found}
+
+
+def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_uri, tmp_path):
+    params = tiny_params(tmp_path / "home", mlflow_uri)
+    first = research(params)
+
+    assert first["nodes"] == 6 and first["computed"] == 6 and first["cache_hits"] == 0
+    assert set(first["markout_bps"]) == {"1s", "5s", "30s", "60s", "300s", "10ev", "100ev"}
+    assert first["trades"] > 0 and first["baseline_trades"] > 0
+    assert first["tracking_uri"] == mlflow_uri
+
+    client = MlflowClient(mlflow_uri)
+    parent = client.get_run(first["mlflow_run_id"])
+    tags = parent.data.tags
+    for tag in ("code_digest", "data_digest", "params_hash", "model_digest"):
+        assert len(tags[tag]) == 64, tag
+    assert tags["prefect_flow_run_id"] == first["prefect_flow_run_id"] != ""
+    assert tags["site"] == "local"
+    assert parent.data.metrics["nodes"] == 6
+    assert parent.data.metrics["markout_bps.5s"] == pytest.approx(first["markout_bps"]["5s"])
+    assert "baseline_markout_bps.5s" in parent.data.metrics
+
+    stages = children(client, parent.info.run_id)
+    assert set(stages) == {"features", "train", "simulate"}
+    features = stages["features"]
+    assert features.data.metrics["cache_hits"] == 0 and features.data.metrics["computed"] == 6
+    assert len(features.data.params["code_fingerprint"]) == 64
+    manifest_path = client.download_artifacts(
+        features.info.run_id, "manifest/features_manifest.parquet", str(tmp_path)
+    )
+    manifest = pq.read_table(manifest_path)
+    assert manifest.num_rows == 6
+    assert set(manifest["status"].to_pylist()) == {"ok"}
+    assert all(len(d) == 64 for d in manifest["output_digest"].to_pylist())
+
+    loss = client.get_metric_history(stages["train"].info.run_id, "loss")
+    assert [m.step for m in loss] == [5, 10, 15, 20, 25, 30]
+    assert stages["train"].data.tags["model_digest"] == first["model_digest"]
+    artifacts = {a.path for a in client.list_artifacts(stages["simulate"].info.run_id)}
+    assert {"markout_curve.png", "markouts"} <= artifacts
+    assert "simulate" in stages and "model.5s.hit_rate.5s" not in stages["simulate"].data.metrics
+    assert "model.total.markout_bps.5s" in stages["simulate"].data.metrics
+
+    again = research(params)
+    assert again["cache_hits"] == again["nodes"] == 6 and again["computed"] == 0
+    assert again["model_cached"] and again["simulation_cached"]
+    assert again["model_digest"] == first["model_digest"]
+    assert again["markout_bps"] == first["markout_bps"]
+
+    changed = research(
+        tiny_params(tmp_path / "home", mlflow_uri, product_features={"SYNB": {"ofi_window": 20}})
+    )
+    assert changed["computed"] == 3 and changed["cache_hits"] == 3
+    assert not changed["model_cached"]  # SYNB's features changed, so the model must too
+    stages = children(client, changed["mlflow_run_id"])
+    manifest = pq.read_table(
+        client.download_artifacts(
+            stages["features"].info.run_id, "manifest/features_manifest.parquet", str(tmp_path)
+        )
+    )
+    ran = manifest.filter(pc.invert(manifest["cache_hit"]))
+    assert set(ran["product"].to_pylist()) == {"SYNB"}
+    assert set(ran["reason"].to_pylist()) == {"params"}
+
+
+def test_research_on_lobster_files(prefect_api, tmp_path, lobster_dir):
+    params = ResearchParams.model_validate(
+        {
+            "workspace": {"home": str(tmp_path / "home")},
+            "data": {"lobster_dir": str(lobster_dir)},
+            "train": {"steps": 20, "batch_size": 64},
+        }
+    )
+    summary = research(params)
+    # AMZN's 1-level file is superseded by its 5-level file for the same day.
+    assert summary["dataset"] == "lobster" and summary["nodes"] == 2
+    assert set(summary["per_product"]) == {"AMZN", "GOOG"}
+    assert summary["trades"] > 0
+    assert summary["tracking_uri"].startswith("sqlite:///")
+
+
+def test_cli_rejects_unknown_parameter_before_writing_anything(tmp_path):
+    bad = tmp_path / "params.json"
+    bad.write_text(json.dumps({"train": {"stepz": 3}}))
+    home = tmp_path / "home"
+    runner = CliRunner(env={"COLUMNS": "400"})
+    result = runner.invoke(app, ["run", "--params", str(bad), "--home", str(home)])
+    assert result.exit_code == 2
+    assert "stepz" in result.output
+    assert not home.exists()
+
+
+def test_cli_rejects_missing_lobster_folder(tmp_path):
+    runner = CliRunner(env={"COLUMNS": "400"})  # no wrapping inside the error box
+    result = runner.invoke(app, ["run", "--lobster", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_bad_file_in_a_folder_lands_nothing(tmp_path, lobster_dir):
+    """One truncated zip among good ones: a clear error, and no partition is landed."""
+    folder = tmp_path / "lobster"
+    folder.mkdir()
+    good = lobster_dir / "LOBSTER_SampleFile_AMZN_2012-06-21_1.zip"
+    shutil.copy(good, folder / good.name)
+    data = good.read_bytes()
+    (folder / "LOBSTER_SampleFile_MSFT_2012-06-21_1.zip").write_bytes(data[: len(data) // 3])
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = tmp_path / "store"
+    with pytest.raises(DataValidationError, match="MSFT_2012-06-21_1.zip"):
+        land_lobster(catalog, str(root), folder)
+    assert catalog.entries("lobster") == []
+    assert not root.exists()
