@@ -6,20 +6,43 @@ batches of nodes; every node keeps its own key, output and manifest row.
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
+import json
+import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
 
 from quantloop import progress
 from quantloop.workspace import Selection, Workspace
-from tasks import tracking
+from tasks import storage, tracking
 from tasks.features import FeatureParams
-from tasks.nodes import MANIFEST_SCHEMA, Node, NodeKind, NodeStore, RunResult, run_nodes
+from tasks.nodes import (
+    MANIFEST_SCHEMA,
+    Node,
+    NodeKind,
+    NodeStore,
+    RunResult,
+    output_blob,
+    run_nodes,
+)
 from tasks.planning import feature_kind, plan_feature_nodes, product_params, shards
 from tasks.schema import Partition
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureOutput:
+    key: str  # the feature node's key: what downstream keys are built from
+    blob: storage.Blob
+
+    def read(self) -> pa.Table:
+        return storage.read_table(self.blob)
 
 
 class NodeFailures(RuntimeError):
@@ -57,6 +80,23 @@ def feature_shard(
     return result
 
 
+def save_params(root: str, by_digest: Mapping[str, dict]) -> None:
+    """Parameters by digest, so a node's lineage can show the values behind its hash."""
+    for digest, values in by_digest.items():
+        url = storage.join(root, "params", f"{digest}.json")
+        if not storage.exists(url):
+            storage.write_bytes_atomic(url, json.dumps(values, sort_keys=True).encode())
+
+
+def save_manifest(root: str, kind: str, manifest: pa.Table) -> str:
+    """The run's node records, beside the outputs: what `quantloop nodes` queries."""
+    run_id = flow_run.id or uuid.uuid4().hex
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
+    url = storage.join(root, "manifests", kind, f"{stamp}-{run_id}.parquet")
+    storage.write_parquet_atomic(url, manifest)
+    return url
+
+
 def plan(
     workspace: Workspace,
     selection: Selection,
@@ -90,8 +130,16 @@ def features(
     kind, nodes, by_digest = plan(workspace, selection, features, product_features)
     site = workspace.resolve_site()
     logger.info("%d feature nodes on site %s (%s)", len(nodes), site.name, site.root)
+    save_params(site.root, by_digest)
     results = []
-    with site.client() as client:
+    with contextlib.ExitStack() as stack:
+        clients: list = []
+
+        def client():  # the cluster starts only if some node is not cached
+            if not clients:
+                clients.append(stack.enter_context(site.client()))
+            return clients[0]
+
         for i, shard_nodes in enumerate(shards(nodes, shard_size)):
             results.append(
                 feature_shard(
@@ -118,6 +166,8 @@ def features(
         result.computed,
         result.failed,
     )
+    result_url = save_manifest(site.root, kind.name, manifest)
+    logger.info("node manifest: %s", result_url)
     if parent_run_id is not None:
         record(workspace, parent_run_id, kind, by_digest, site.name, result)
     if result.failed:
@@ -156,7 +206,7 @@ def record(
                 "nodes_per_s": result.nodes / result.wall_s if result.wall_s else 0.0,
                 "node_compute_s": compute_s,
                 "output_rows": pc.sum(m["rows"]).as_py() or 0,
-                "output_bytes": pc.sum(m["bytes"]).as_py() or 0,
+                "output_bytes": pc.sum(m["output_length"]).as_py() or 0,
             }
         )
         run.table(m, "features_manifest.parquet", "manifest")
@@ -168,19 +218,18 @@ def feature_outputs(
     selection: Selection,
     params: FeatureParams,
     product_features: dict[str, dict] | None = None,
-) -> dict[Partition, str]:
+) -> dict[Partition, FeatureOutput]:
     """Where each selected partition's features are stored; fails if any is missing."""
     kind, nodes, _ = plan(workspace, selection, params, product_features)
     store = NodeStore(workspace.resolve_site().root)
-    found = store.existing(kind.name, [n.key for n in nodes])
-    url_of = dict(zip(found["key"].to_pylist(), found["output_url"].to_pylist(), strict=True))
-    missing = [str(n.partition) for n in nodes if n.key not in url_of]
+    found = {r["key"]: r for r in store.existing(kind.name, [n.key for n in nodes]).to_pylist()}
+    missing = [str(n.partition) for n in nodes if n.key not in found]
     if missing:
         raise LookupError(
             f"features not computed for {len(missing)} partitions (e.g. {missing[:5]}); "
             "run the features flow on this selection first"
         )
-    return {n.partition: url_of[n.key] for n in nodes}
+    return {n.partition: FeatureOutput(n.key, output_blob(found[n.key])) for n in nodes}
 
 
 def failed_partitions(manifest: pa.Table) -> list[str]:

@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
-from flows.features import feature_outputs
+from flows.features import FeatureOutput, feature_outputs
 from flows.train import fetch_model
 from quantloop.workspace import Selection, Workspace
 from tasks import plots, simulation, storage, tracking, training
@@ -63,7 +63,7 @@ def simulate(
             "code": code_fingerprint(simulation, training),
             "config": asdict(config),
             "model": model_url.rsplit("/", 1)[-1],
-            "features": sorted(u.rsplit("/", 1)[-1] for u in outputs.values()),
+            "features": sorted(o.key for o in outputs.values()),
             "holdout_fraction": holdout_fraction,
         }
     )
@@ -117,12 +117,12 @@ def simulate(
 
 def replay_all(
     model: TrainResult,
-    outputs: dict[Partition, str],
+    outputs: dict[Partition, FeatureOutput],
     config: SimConfig,
     holdout_fraction: float,
 ) -> dict[str, dict[str, pa.Table]]:
     """Mark-outs by signal ("model", "baseline") and product, over the held-out data."""
-    tables = {p: storage.read_parquet(url) for p, url in outputs.items()}
+    tables = {p: o.read() for p, o in outputs.items()}
     train_parts, test_parts = split_train_test(tables, holdout_fraction)
     marks: dict[str, dict[str, list[pa.Table]]] = {"model": {}, "baseline": {}}
     for product in sorted({p.product for p in tables}):

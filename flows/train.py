@@ -77,7 +77,7 @@ def train(
     logger = get_run_logger()
     outputs = feature_outputs(workspace, selection, features, product_features)
     site = workspace.resolve_site()
-    key = model_key(config, [u.rsplit("/", 1)[-1] for u in outputs.values()], holdout_fraction)
+    key = model_key(config, [o.key for o in outputs.values()], holdout_fraction)
     url = model_url(site.root, key)
     if storage.exists(url):
         # The file is written atomically, so existing means complete; load checks the digest.
@@ -89,7 +89,7 @@ def train(
             workspace, parent_run_id, config, features, holdout_fraction, len(outputs),
             result, key, site.name, cache_hit=True, local=None,
         ))  # fmt: skip
-    tables = {p: storage.read_parquet(u) for p, u in outputs.items()}
+    tables = {p: o.read() for p, o in outputs.items()}
     train_parts, _ = split_train_test(tables, holdout_fraction)
     layout = feature_set(features)
     result = fit(list(train_parts.values()), layout.inputs, layout.labels, config)

@@ -32,6 +32,8 @@ CREATE TABLE IF NOT EXISTS partitions (
     bytes INTEGER NOT NULL,
     levels INTEGER NOT NULL,
     location TEXT NOT NULL,
+    offset INTEGER NOT NULL,
+    length INTEGER NOT NULL,
     site TEXT NOT NULL,
     source TEXT NOT NULL,
     landed_at TEXT NOT NULL,
@@ -51,8 +53,14 @@ class Entry:
     bytes: int
     levels: int
     location: str
+    offset: int
+    length: int
     site: str
     source: str
+
+    @property
+    def blob(self) -> storage.Blob:
+        return storage.Blob(self.location, self.offset, self.length, self.digest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,30 +112,83 @@ class Catalog:
             bytes=len(data),
             levels=levels_of(table.schema),
             location=location,
+            offset=0,
+            length=len(data),
             site=site,
             source=source,
         )
         # Recorded only after the file is complete: a crash above leaves the old entry.
-        with self._connect() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO partitions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    dataset,
-                    partition.product,
-                    partition.date.isoformat(),
-                    digest,
-                    entry.rows,
-                    entry.bytes,
-                    entry.levels,
-                    location,
-                    site,
-                    source,
-                    dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                ),
-            )
+        self._record([entry])
         if previous is None:
             return Landed(entry, "new")
         return Landed(entry, "changed", previous.digest)
+
+    def land_packed(
+        self,
+        dataset: str,
+        items: Iterable[tuple[Partition, pa.Table]],
+        *,
+        root: str,
+        site: str = "local",
+        source: str = "",
+    ) -> list[Landed]:
+        """Land many small partitions: one pack of Arrow IPC blobs per product.
+
+        For datasets of many small days (scale tests, tick-size samples), where a
+        Parquet file per partition costs more to open than to compute on.
+        Unchanged partitions are left as they are; the others are recorded in one
+        transaction after their pack is complete.
+        """
+        current = {e.partition: e for e in self.entries(dataset)}
+        by_product: dict[str, list[tuple[Partition, pa.Table]]] = {}
+        for part, table in items:
+            by_product.setdefault(part.product, []).append((part, table))
+        landed: list[Landed] = []
+        for product, parts in sorted(by_product.items()):
+            blobs = [(p, t, storage.arrow_bytes(t)) for p, t in parts]
+            digests = [storage.sha256_hex(b) for _, _, b in blobs]
+            if all(
+                p in current and current[p].digest == d
+                for (p, _, _), d in zip(blobs, digests, strict=True)
+            ):
+                landed += [Landed(current[p], "unchanged") for p, _, _ in blobs]
+                continue
+            pack = b"".join(b for _, _, b in blobs)
+            location = storage.join(
+                root, "datasets", dataset, f"product={product}",
+                f"pack-{storage.sha256_hex(pack)[:32]}.arrows",
+            )  # fmt: skip
+            storage.write_bytes_atomic(location, pack)
+            entries, offset = [], 0
+            for (part, table, data), digest in zip(blobs, digests, strict=True):
+                entries.append(
+                    Entry(dataset, part, digest, table.num_rows, len(data),
+                          levels_of(table.schema), location, offset, len(data), site, source)
+                )  # fmt: skip
+                offset += len(data)
+            self._record(entries)
+            for e in entries:
+                old = current.get(e.partition)
+                if old is None:
+                    landed.append(Landed(e, "new"))
+                elif old.digest == e.digest:
+                    landed.append(Landed(e, "unchanged"))
+                else:
+                    landed.append(Landed(e, "changed", old.digest))
+        return landed
+
+    def _record(self, entries: list[Entry]) -> None:
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        with self._connect() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO partitions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [
+                    (e.dataset, e.partition.product, e.partition.date.isoformat(), e.digest,
+                     e.rows, e.bytes, e.levels, e.location, e.offset, e.length, e.site,
+                     e.source, now)
+                    for e in entries
+                ],
+            )  # fmt: skip
 
     def get(self, dataset: str, partition: Partition) -> Entry | None:
         rows = self.entries(dataset, [partition])
@@ -137,8 +198,8 @@ class Catalog:
         """Current entries of a dataset, all of them or those of `partitions`, sorted."""
         with self._connect() as db:
             found = db.execute(
-                "SELECT dataset, product, date, digest, rows, bytes, levels, location, site,"
-                " source FROM partitions WHERE dataset = ? ORDER BY product, date",
+                "SELECT dataset, product, date, digest, rows, bytes, levels, location, offset,"
+                " length, site, source FROM partitions WHERE dataset = ? ORDER BY product, date",
                 (dataset,),
             ).fetchall()
         entries = [Entry(r[0], Partition(r[1], dt.date.fromisoformat(r[2])), *r[3:]) for r in found]

@@ -1,19 +1,20 @@
-"""The node engine: keys, the content-addressed store, its cache index, execution.
+"""The node engine: keys, packed content-addressed outputs, the cache index, execution.
 
 A node is one unit of the research graph (a kind, e.g. "features", applied to
-one partition). Its key hashes everything that decides its output:
+one input partition). Its key hashes everything that decides its output:
 
-    key = sha256(kind, code fingerprint, canonical parameters, input digests)
+    key = sha256(kind, code fingerprint, canonical parameters, input digest)
 
-Outputs live at `<root>/nodes/<kind>/<key[:2]>/<key>.parquet`. The cache index
-is a folder of Parquet segments, each written atomically *after* the outputs it
-lists are complete, so a key is in the index only once its output is whole; a
-crash in between leaves an orphan file that the next run simply recomputes.
-"Which of these keys exist?" is one read of the index, not a storage call per
-node.
+Outputs are Arrow IPC blobs in pack files (`<root>/packs/<kind>/<uuid>.arrows`),
+one pack per Dask task, each blob with its own sha256. The cache index is a
+folder of Parquet segments, each written atomically *after* the pack it points
+into is complete: a key is in the index only once its output is whole, and a
+crash in between leaves an unreferenced pack that is never read. "Which of
+these keys exist?" is one read of the index, never a storage call per node.
 
-Nodes run on Dask in batches (one Dask task holds many nodes), each node keeping
-its own key, output, digest and manifest row.
+Nodes run on Dask in batches sized from the measured work per node, so a node
+far smaller than Dask's per-task overhead still costs only its own work; every
+node keeps its own key, output, digest and manifest row.
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import inspect
-import io
 import json
 import math
+import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from tasks import storage
 from tasks.schema import Partition
@@ -49,8 +49,10 @@ INDEX_SCHEMA = pa.schema(
         ("inputs", pa.string()),
         ("output_digest", pa.string()),
         ("output_url", pa.string()),
+        ("output_offset", pa.int64()),
+        ("output_length", pa.int64()),
         ("rows", pa.int64()),
-        ("bytes", pa.int64()),
+        ("duration_s", pa.float64()),
         ("written_at", pa.string()),
     ]
 )
@@ -67,8 +69,9 @@ MANIFEST_SCHEMA = pa.schema(
         ("inputs", pa.string()),
         ("output_digest", pa.string()),
         ("output_url", pa.string()),
+        ("output_offset", pa.int64()),
+        ("output_length", pa.int64()),
         ("rows", pa.int64()),
-        ("bytes", pa.int64()),
         ("duration_s", pa.float64()),
         ("cache_hit", pa.bool_()),
         ("status", pa.string()),  # "ok" or "failed"
@@ -76,6 +79,12 @@ MANIFEST_SCHEMA = pa.schema(
         ("error", pa.string()),
     ]
 )
+
+# A Dask task should hold about this much node work: long enough to bury Dask's
+# per-task cost (~3 ms here), short enough to balance load across workers.
+TARGET_TASK_S = 0.5
+MIN_TASKS_PER_WORKER = 4  # ... and every worker gets several tasks to even out the tail
+PROBE_NODES = 32  # work per node is measured on this many nodes when no history exists
 
 
 def sha256_json(value: Any) -> str:
@@ -88,26 +97,29 @@ def code_fingerprint(*objects: Callable | ModuleType) -> str:
     """Digest of the source of functions or modules: edit them and the keys change."""
     h = hashlib.sha256()
     for obj in objects:
-        h.update(f"{obj.__module__ if not isinstance(obj, ModuleType) else ''}".encode())
+        h.update(getattr(obj, "__qualname__", getattr(obj, "__name__", "")).encode())
         h.update(inspect.getsource(obj).encode())
     return h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """One node: a kind applied to one input partition version."""
+    """One node: a kind applied to one version of an input partition."""
 
     kind: str
     partition: Partition
     code: str  # code fingerprint
     params: str  # sha256 of canonical parameters
-    inputs: str  # digest of the input partition
-    input_url: str
+    input: storage.Blob  # where the input lives; its digest is part of the key
+
+    @property
+    def inputs(self) -> str:
+        return self.input.digest
 
     @property
     def key(self) -> str:
         return hashlib.sha256(
-            f"{self.kind}|{self.code}|{self.params}|{self.inputs}".encode()
+            f"{self.kind}|{self.code}|{self.params}|{self.input.digest}".encode()
         ).hexdigest()
 
 
@@ -120,90 +132,111 @@ class NodeKind:
     code: str
 
 
+def output_blob(row: Mapping[str, Any]) -> storage.Blob:
+    """The stored output of an index or manifest row."""
+    return storage.Blob(
+        row["output_url"], row["output_offset"], row["output_length"], row["output_digest"]
+    )
+
+
 class NodeStore:
-    """Content-addressed node outputs and the cache index, under one storage root."""
+    """Packed node outputs and the cache index, under one storage root."""
 
     def __init__(self, root: str):
         self.root = root.rstrip("/")
-        self._index: dict[str, pa.Table] = {}
 
-    def output_url(self, kind: str, key: str) -> str:
-        return storage.join(self.root, "nodes", kind, key[:2], f"{key}.parquet")
+    def pack_url(self, kind: str) -> str:
+        day = dt.datetime.now(dt.UTC).strftime("%Y%m%d")
+        return storage.join(self.root, "packs", kind, day, f"{uuid.uuid4().hex}.arrows")
 
     def index_url(self, kind: str) -> str:
         return storage.join(self.root, "index", kind)
 
-    def index(self, kind: str, *, refresh: bool = False) -> pa.Table:
-        """Every committed node of a kind, one pass over the index segments."""
-        if refresh or kind not in self._index:
-            segments = storage.list_files(self.index_url(kind), ".parquet")
-            tables = [storage.read_parquet(s) for s in segments]
-            self._index[kind] = (
-                pa.concat_tables(tables).cast(INDEX_SCHEMA)
-                if tables
-                else INDEX_SCHEMA.empty_table()
-            )
-        return self._index[kind]
+    def index(self, kind: str) -> pa.Table:
+        """Every committed node of a kind: one pass over the index segments."""
+        segments = storage.list_files(self.index_url(kind), ".parquet")
+        if not segments:
+            return INDEX_SCHEMA.empty_table()
+        return pa.concat_tables(storage.read_parquet(s).cast(INDEX_SCHEMA) for s in segments)
 
-    def existing(self, kind: str, keys: Sequence[str]) -> pa.Table:
-        """Index rows (one per key, the latest) of those `keys` that are committed."""
-        idx = self.index(kind, refresh=True)
-        hit = idx.filter(pc.is_in(idx["key"], value_set=pa.array(list(keys), pa.string())))
-        return _latest_per(hit, "key") if hit.num_rows else hit
+    def existing(self, kind: str, keys: Sequence[str] | pa.Array) -> pa.Table:
+        """Index rows (the latest per key) of those `keys` that are committed."""
+        idx = self.index(kind)
+        hit = idx.filter(pc.is_in(idx["key"], value_set=pa.array(keys, pa.string())))
+        return latest_per(hit, ["key"]) if hit.num_rows else hit
 
     def commit(self, kind: str, rows: pa.Table) -> None:
         """Make outputs visible to later runs: one atomic index segment."""
-        if rows.num_rows == 0:
-            return
-        name = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:12]}.parquet"
-        storage.write_parquet_atomic(storage.join(self.index_url(kind), name), rows)
-        self._index.pop(kind, None)
+        if rows.num_rows:
+            name = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:12]}.parquet"
+            storage.write_parquet_atomic(storage.join(self.index_url(kind), name), rows)
+
+    def compact(self, kind: str, *, min_segments: int = 64) -> int:
+        """Merge the index segments into one (latest row per key); returns segments merged.
+
+        Safe beside writers: it merges the segments it listed, writes the merged
+        segment atomically, then deletes only those. A reader in between sees
+        duplicates, which `existing` resolves by keeping the latest row per key.
+        """
+        segments = storage.list_files(self.index_url(kind), ".parquet")
+        if len(segments) < min_segments:
+            return 0
+        merged = latest_per(
+            pa.concat_tables(storage.read_parquet(s).cast(INDEX_SCHEMA) for s in segments),
+            ["key"],
+        )
+        self.commit(kind, merged)
+        fs, _ = storage.filesystem(segments[0])
+        for s in segments:
+            fs.rm_file(storage.filesystem(s)[1])
+        return len(segments)
+
+    def read(self, row: Mapping[str, Any]) -> pa.Table:
+        """One node's output, checked against its digest."""
+        return storage.read_table(output_blob(row))
 
 
-def _latest_per(table: pa.Table, column: str) -> pa.Table:
-    """Last row (by written_at) for each value of `column`."""
-    table = table.sort_by([(column, "ascending"), ("written_at", "ascending")])
-    values = table[column].to_pylist()
-    keep = [i for i in range(len(values)) if i + 1 == len(values) or values[i + 1] != values[i]]
-    return table.take(pa.array(keep, pa.int64()))
+def latest_per(table: pa.Table, columns: list[str]) -> pa.Table:
+    """The last row (by written_at) for each distinct value of `columns`."""
+    if table.num_rows == 0:
+        return table
+    order = table.sort_by([(c, "ascending") for c in columns] + [("written_at", "ascending")])
+    keys = [order[c] for c in columns]
+    same_as_next = None
+    for k in keys:
+        eq = pc.equal(k.slice(0, len(k) - 1), k.slice(1))
+        same_as_next = eq if same_as_next is None else pc.and_(same_as_next, eq)
+    last = pc.invert(same_as_next).to_numpy(zero_copy_only=False).tolist() + [True]
+    return order.filter(pa.array(last))
 
 
-def explain(store: NodeStore, nodes: Sequence[Node]) -> dict[str, str]:
-    """Why each node must run: which part of its key differs from the last version
-    of the same (kind, partition) in the index ("new" if there is none, "missing"
-    if all parts match but the output is gone)."""
+def explain(idx: pa.Table, nodes: Sequence[Node]) -> dict[str, str]:
+    """Why each node must run: which part of its key differs from the last version of
+    the same (kind, partition) in the index `idx`; "new" if there is none, "missing"
+    if all parts match but the output is not committed."""
     if not nodes:
         return {}
-    kind = nodes[0].kind
-    idx = store.index(kind)
     if idx.num_rows == 0:
         return {n.key: "new" for n in nodes}
-    idx = idx.append_column(
-        "partition", pc.binary_join_element_wise(idx["product"], idx["date"], "/")
-    )
-    last = _latest_per(idx, "partition")
+    last = latest_per(idx.select(["product", "date", "code", "params", "inputs", "written_at"]),
+                      ["product", "date"])  # fmt: skip
     previous = {
-        p: (c, pr, i)
-        for p, c, pr, i in zip(
-            last["partition"].to_pylist(),
-            last["code"].to_pylist(),
-            last["params"].to_pylist(),
-            last["inputs"].to_pylist(),
+        (p, d): (c, pr, i)
+        for p, d, c, pr, i in zip(
+            *(last[c].to_pylist() for c in ("product", "date", "code", "params", "inputs")),
             strict=True,
         )
     }
     reasons = {}
     for n in nodes:
-        prev = previous.get(str(n.partition))
+        prev = previous.get((n.partition.product, n.partition.date.isoformat()))
         if prev is None:
             reasons[n.key] = "new"
             continue
         changed = [
             name
-            for name, old, new in (
-                ("code", prev[0], n.code),
-                ("params", prev[1], n.params),
-                ("input", prev[2], n.inputs),
+            for name, old, new in zip(
+                ("code", "params", "input"), prev, (n.code, n.params, n.inputs), strict=True
             )
             if old != new
         ]
@@ -211,28 +244,17 @@ def explain(store: NodeStore, nodes: Sequence[Node]) -> dict[str, str]:
     return reasons
 
 
-def _record(node: Node, site: str, **values: Any) -> dict:
-    row = {
-        "key": node.key,
-        "kind": node.kind,
-        "product": node.partition.product,
-        "date": node.partition.date.isoformat(),
-        "site": site,
-        "code": node.code,
-        "params": node.params,
-        "inputs": node.inputs,
-        "output_digest": "",
-        "output_url": "",
-        "rows": 0,
-        "bytes": 0,
-        "duration_s": 0.0,
-        "cache_hit": False,
-        "status": "ok",
-        "reason": "",
-        "error": "",
+def _columns(nodes: Sequence[Node], site: str) -> dict[str, list]:
+    return {
+        "key": [n.key for n in nodes],
+        "kind": [n.kind for n in nodes],
+        "product": [n.partition.product for n in nodes],
+        "date": [n.partition.date.isoformat() for n in nodes],
+        "site": [site] * len(nodes),
+        "code": [n.code for n in nodes],
+        "params": [n.params for n in nodes],
+        "inputs": [n.inputs for n in nodes],
     }
-    row.update(values)
-    return row
 
 
 def run_batch(
@@ -241,68 +263,78 @@ def run_batch(
     nodes: Sequence[Node],
     store_root: str,
     site: str,
-) -> list[dict]:
-    """Compute a batch of nodes (on a Dask worker): read, verify, compute, write, commit.
-
-    Returns manifest rows only; outputs stay in storage, never in the driver.
-    """
+) -> pa.Table:
+    """Compute a batch of nodes (one Dask task): read and verify each input, compute,
+    pack the outputs, then commit the pack to the index. Returns manifest rows; the
+    outputs stay in storage, never travel to the driver."""
     store = NodeStore(store_root)
-    rows, committed = [], []
+    reader = storage.BlobReader()
+    pack = storage.PackWriter(store.pack_url(kind.name))
+    out_cols: dict[str, list] = {
+        k: []
+        for k in ("output_digest", "output_url", "output_offset", "output_length", "rows",
+                  "duration_s", "status", "error")
+    }  # fmt: skip
     for node in nodes:
         t0 = time.perf_counter()
         try:
-            data = storage.read_bytes(node.input_url)
-            if storage.sha256_hex(data) != node.inputs:
-                raise ValueError(
-                    f"input partition {node.partition} at {node.input_url} does not match "
-                    f"its catalog digest {node.inputs[:12]}: storage was changed in place"
-                )
-            out = kind.compute(pq.read_table(io.BytesIO(data)), params[node.params])
-            url = store.output_url(kind.name, node.key)
-            digest, size = storage.write_parquet_atomic(url, out)
-        except Exception as exc:  # recorded per node; the shard reports all failures
-            rows.append(
-                _record(
-                    node,
-                    site,
-                    status="failed",
-                    error=f"{node.partition}: {type(exc).__name__}: {exc}",
-                    duration_s=time.perf_counter() - t0,
-                )
-            )
-            continue
-        rows.append(
-            _record(
-                node,
-                site,
-                output_digest=digest,
-                output_url=url,
-                rows=out.num_rows,
-                bytes=size,
-                duration_s=time.perf_counter() - t0,
-            )
+            table = reader.table(node.input)
+            out = kind.compute(table, params[node.params])
+            blob = pack.add(out)
+            values = (blob.digest, blob.url, blob.offset, blob.length, out.num_rows)
+            status, error = "ok", ""
+        except Exception as exc:  # recorded per node; the caller reports every failure
+            values = ("", "", 0, 0, 0)
+            status, error = "failed", f"{node.partition}: {type(exc).__name__}: {exc}"
+        for name, v in zip(
+            ("output_digest", "output_url", "output_offset", "output_length", "rows"),
+            values,
+            strict=True,
+        ):
+            out_cols[name].append(v)
+        out_cols["duration_s"].append(time.perf_counter() - t0)
+        out_cols["status"].append(status)
+        out_cols["error"].append(error)
+    n = len(nodes)
+    rows = pa.table(
+        {
+            **_columns(nodes, site),
+            **{k: out_cols[k] for k in ("output_digest", "output_url", "output_offset",
+                                         "output_length", "rows", "duration_s")},
+            "cache_hit": [False] * n,
+            "status": out_cols["status"],
+            "reason": [""] * n,
+            "error": out_cols["error"],
+        },
+        schema=MANIFEST_SCHEMA,
+    )  # fmt: skip
+    ok = rows.filter(pc.equal(rows["status"], "ok"))
+    if ok.num_rows:
+        pack.write()  # the pack is complete before any index row points into it
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
+        store.commit(
+            kind.name,
+            ok.select([c for c in INDEX_SCHEMA.names if c != "written_at"]).append_column(
+                "written_at", pa.array([now] * ok.num_rows, pa.string())
+            ),
         )
-        committed.append(rows[-1])
-    now = dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
-    store.commit(
-        kind.name,
-        pa.Table.from_pylist(
-            [
-                {**{k: r[k] for k in INDEX_SCHEMA.names if k in r}, "written_at": now}
-                for r in committed
-            ],
-            schema=INDEX_SCHEMA,
-        ),
-    )
     return rows
 
 
-def batches(items: Sequence[Any], n_batches: int) -> list[list[Any]]:
-    """Split into at most `n_batches` contiguous, near-equal batches."""
-    if not items:
-        return []
-    size = math.ceil(len(items) / max(1, n_batches))
-    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+def batch_size(n: int, workers: int, node_s: float) -> int:
+    """Nodes per Dask task: about TARGET_TASK_S of work, yet several tasks per worker."""
+    by_work = max(1, int(TARGET_TASK_S / max(node_s, 1e-6)))
+    by_balance = max(1, math.ceil(n / (workers * MIN_TASKS_PER_WORKER)))
+    return min(by_work, by_balance)
+
+
+def typical_node_s(index: pa.Table) -> float | None:
+    """Median work per node of a kind from its committed history, if there is any."""
+    if index.num_rows == 0:
+        return None
+    recent = index["duration_s"].slice(max(0, index.num_rows - 2_000))
+    values = [v for v in recent.to_pylist() if v is not None]
+    return statistics.median(values) if values else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +345,7 @@ class RunResult:
     computed: int
     failed: int
     wall_s: float
+    batch_size: int = 0
 
     @property
     def failures(self) -> list[str]:
@@ -328,74 +361,101 @@ def run_nodes(
     *,
     client: Any | None = None,
     site: str = "local",
-    tasks_per_worker: int = 4,
     progress: Callable[[int, int], None] | None = None,
 ) -> RunResult:
     """Run the nodes that are not cached; returns the manifest of all of them.
 
     params: parameter dicts by their digest (`Node.params`); products may differ.
-    client: a `distributed.Client` (the site's cluster); None runs in-process.
+    client: a `distributed.Client` (the site's cluster), or a zero-argument callable
+      returning one (called only if something must be computed); None runs in-process.
     progress(done, total) is called as batches finish.
     """
     t0 = time.perf_counter()
-    keys = [n.key for n in nodes]
-    hits = store.existing(kind.name, keys)
-    hit_rows = {
-        r["key"]: r
-        for r in hits.select(["key", "output_digest", "output_url", "rows", "bytes"]).to_pylist()
-    }
-    todo = [n for n in nodes if n.key not in hit_rows]
-    reasons = explain(store, todo)
-    rows = [
-        _record(n, site, cache_hit=True, **{k: v for k, v in hit_rows[n.key].items() if k != "key"})
-        for n in nodes
-        if n.key in hit_rows
-    ]
-    done = len(rows)
+    index = store.index(kind.name)
+    keys = pa.array([n.key for n in nodes], pa.string())
+    hits = latest_per(index.filter(pc.is_in(index["key"], value_set=keys)), ["key"])
+    hit_keys = set(hits["key"].to_pylist())
+    todo = [n for n in nodes if n.key not in hit_keys]
+    parts = [_hit_rows(hits, site)] if hits.num_rows else []
+    done = hits.num_rows
     if progress:
         progress(done, len(nodes))
+    size = 0
     if todo:
-        n_workers = len(client.scheduler_info()["workers"]) if client is not None else 1
-        groups = batches(todo, max(1, n_workers) * tasks_per_worker)
-        if client is None:
-            results: Iterable[list[dict]] = (
-                run_batch(kind, params, g, store.root, site) for g in groups
-            )
-            for batch_rows in results:
-                rows += batch_rows
-                done += len(batch_rows)
-                if progress:
-                    progress(done, len(nodes))
-        else:
-            from distributed import as_completed
-
-            futures = client.map(
-                run_batch,
-                [kind] * len(groups),
-                [params] * len(groups),
-                groups,
-                [store.root] * len(groups),
-                [site] * len(groups),
-                pure=False,
-            )
-            for future in as_completed(futures):
-                batch_rows = future.result()
-                rows += batch_rows
-                done += len(batch_rows)
-                if progress:
-                    progress(done, len(nodes))
-        for r in rows:
-            if not r["cache_hit"]:
-                r["reason"] = reasons.get(r["key"], "")
-    manifest = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA).sort_by(
-        [("product", "ascending"), ("date", "ascending")]
-    )
-    failed = sum(1 for r in rows if r["status"] == "failed")
+        reasons = explain(index, todo)
+        if callable(client) and not hasattr(client, "submit"):
+            client = client()
+        workers = len(client.scheduler_info()["workers"]) if client is not None else 1
+        node_s = typical_node_s(index)
+        computed: list[pa.Table] = []
+        if node_s is None:
+            # No history: measure on a small first batch, whose results are kept.
+            probe, todo = todo[:PROBE_NODES], todo[PROBE_NODES:]
+            first = _submit(client, kind, params, [probe], store.root, site)[0]
+            computed.append(first)
+            done += first.num_rows
+            if progress:
+                progress(done, len(nodes))
+            ok = first.filter(pc.equal(first["status"], "ok"))
+            node_s = pc.mean(ok["duration_s"]).as_py() if ok.num_rows else TARGET_TASK_S
+        size = batch_size(len(todo), workers, node_s)
+        groups = [todo[i : i + size] for i in range(0, len(todo), size)]
+        for batch_rows in _submit_iter(client, kind, params, groups, store.root, site):
+            computed.append(batch_rows)
+            done += batch_rows.num_rows
+            if progress:
+                progress(done, len(nodes))
+        ran = pa.concat_tables(computed)
+        ran = ran.set_column(
+            ran.schema.get_field_index("reason"),
+            "reason",
+            pa.array([reasons[k] for k in ran["key"].to_pylist()], pa.string()),
+        )
+        parts.append(ran)
+    manifest = pa.concat_tables(parts) if parts else MANIFEST_SCHEMA.empty_table()
+    failed = pc.sum(pc.equal(manifest["status"], "failed")).as_py() or 0
     return RunResult(
         manifest=manifest,
         nodes=len(nodes),
-        cache_hits=len(hit_rows),
-        computed=len(todo) - failed,
+        cache_hits=hits.num_rows,
+        computed=len(nodes) - hits.num_rows - failed,
         failed=failed,
         wall_s=time.perf_counter() - t0,
+        batch_size=size,
     )
+
+
+def _hit_rows(hits: pa.Table, site: str) -> pa.Table:
+    n = hits.num_rows
+    return pa.table(
+        {
+            **{c: hits[c] for c in ("key", "kind", "product", "date")},
+            "site": pa.array([site] * n, pa.string()),
+            **{c: hits[c] for c in ("code", "params", "inputs", "output_digest", "output_url",
+                                     "output_offset", "output_length", "rows", "duration_s")},
+            "cache_hit": pa.array([True] * n),
+            "status": pa.array(["ok"] * n),
+            "reason": pa.array([""] * n),
+            "error": pa.array([""] * n),
+        },
+        schema=MANIFEST_SCHEMA,
+    )  # fmt: skip
+
+
+def _submit(client, kind, params, groups, root, site) -> list[pa.Table]:
+    return list(_submit_iter(client, kind, params, groups, root, site))
+
+
+def _submit_iter(client, kind, params, groups, root, site):
+    if client is None:
+        for g in groups:
+            yield run_batch(kind, params, g, root, site)
+        return
+    from distributed import as_completed
+
+    # kind and params travel inside each task (small); scattered data would be lost
+    # with a dying worker, and the batch could not be retried elsewhere.
+    params = dict(params)
+    futures = [client.submit(run_batch, kind, params, g, root, site, pure=False) for g in groups]
+    for future in as_completed(futures):
+        yield future.result()

@@ -65,8 +65,7 @@ def plan_feature_nodes(
             partition=e.partition,
             code=kind.code,
             params=digest_of[e.partition.product],
-            inputs=e.digest,
-            input_url=e.location,
+            input=e.blob,
         )
         for e in entries
     ]

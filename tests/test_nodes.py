@@ -1,24 +1,27 @@
-"""The node engine: keys, cache hits, incremental re-runs, crash safety."""
+"""The node engine: keys, cache hits, incremental re-runs, crash safety, manifests."""
 
 from __future__ import annotations
 
 import datetime as dt
+import os
+import signal
 from dataclasses import replace
+from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
 
 from tasks import storage
 from tasks.catalog import Catalog
-from tasks.features import FeatureParams
-from tasks.nodes import NodeKind, NodeStore, run_nodes
+from tasks.features import FeatureParams, features_node
+from tasks.nodes import NodeKind, NodeStore, batch_size, run_nodes
 from tasks.planning import feature_kind, plan_feature_nodes, product_params
 from tasks.schema import Partition
 from tests.books import random_book
 
 PRODUCTS = ["AAA", "BBB"]
-BBB_ROWS = 400
 DATES = [dt.date(2026, 1, 5), dt.date(2026, 1, 6)]
+BBB_ROWS = 400  # BBB's days are shorter, so a test's compute function can tell them apart
 
 
 @pytest.fixture
@@ -26,16 +29,19 @@ def landed(tmp_path):
     root = str(tmp_path / "store")
     catalog = Catalog(tmp_path / "catalog.sqlite")
     for i, p in enumerate(Partition(x, d) for x in PRODUCTS for d in DATES):
-        # BBB's days are shorter, so a test's compute function can tell them apart.
         rows = BBB_ROWS if p.product == "BBB" else 500
         catalog.land("test", p, random_book(rows, seed=i), root=root)
     return catalog, NodeStore(root)
 
 
-def plan(catalog, overrides=None, kind=None, base=FeatureParams()):
+def plan(catalog, overrides=None, kind=None, base=None, dataset="test"):
     kind = kind or feature_kind()
-    params = product_params(base, overrides or {}, PRODUCTS)
-    return kind, *plan_feature_nodes(catalog.entries("test"), params, kind)
+    params = product_params(base or FeatureParams(), overrides or {}, PRODUCTS)
+    return kind, *plan_feature_nodes(catalog.entries(dataset), params, kind)
+
+
+def not_hits(result):
+    return result.manifest.filter(pc.invert(result.manifest["cache_hit"]))
 
 
 def test_key_changes_exactly_with_code_params_inputs(landed):
@@ -45,8 +51,9 @@ def test_key_changes_exactly_with_code_params_inputs(landed):
     assert node.key == replace(node).key  # deterministic
     assert replace(node, code="x").key != node.key
     assert replace(node, params="x").key != node.key
-    assert replace(node, inputs="x").key != node.key
-    assert replace(node, input_url="elsewhere").key == node.key  # location is not identity
+    assert replace(node, input=replace(node.input, digest="x")).key != node.key
+    moved = replace(node, input=replace(node.input, url="s3://elsewhere/x", offset=7))
+    assert moved.key == node.key  # where the input lives is not what it is
     assert len({n.key for n in nodes}) == len(nodes)
 
 
@@ -59,16 +66,29 @@ def test_rerun_is_all_cache_hits_and_changed_param_reruns_only_its_nodes(landed)
 
     again = run_nodes(kind, params, nodes, store)
     assert (again.computed, again.cache_hits) == (0, 4)
-    assert (
-        again.manifest["output_digest"].to_pylist() == first.manifest["output_digest"].to_pylist()
-    )
+    digests = again.manifest.sort_by("key")["output_digest"]
+    assert digests.equals(first.manifest.sort_by("key")["output_digest"])
 
     kind, nodes, params = plan(catalog, overrides={"BBB": {"ofi_window": 20}})
     changed = run_nodes(kind, params, nodes, store)
     assert (changed.computed, changed.cache_hits) == (2, 2)
-    ran = changed.manifest.filter(pc.invert(changed.manifest["cache_hit"]))
-    assert set(ran["product"].to_pylist()) == {"BBB"}
-    assert set(ran["reason"].to_pylist()) == {"params"}
+    assert set(not_hits(changed)["product"].to_pylist()) == {"BBB"}
+    assert set(not_hits(changed)["reason"].to_pylist()) == {"params"}
+
+
+def test_outputs_read_back_with_their_digest(landed):
+    catalog, store = landed
+    kind, nodes, params = plan(catalog)
+    result = run_nodes(kind, params, nodes, store)
+    entries = {e.partition: e for e in catalog.entries("test")}
+    for row, node in zip(result.manifest.to_pylist(), nodes, strict=True):
+        out = store.read(row)
+        book = storage.read_table(entries[node.partition].blob)
+        # Byte equality: labels hold NaN at the day's end, and NaN != NaN in Table.equals.
+        assert storage.arrow_bytes(out) == storage.arrow_bytes(
+            features_node(book, params[node.params])
+        )
+        assert row["rows"] == out.num_rows
 
 
 def test_changed_code_and_input_are_explained(landed):
@@ -81,51 +101,84 @@ def test_changed_code_and_input_are_explained(landed):
     assert result.computed == 4
     assert set(result.manifest["reason"].to_pylist()) == {"code"}
 
-    p = Partition("AAA", DATES[0])
-    catalog.land("test", p, random_book(500, seed=99), root=store.root)
-    kind, nodes, params = plan(catalog, kind=edited)
+    catalog.land("test", Partition("AAA", DATES[0]), random_book(500, seed=99), root=store.root)
+    _, nodes, params = plan(catalog, kind=edited)
     result = run_nodes(edited, params, nodes, store)
     assert result.computed == 1
-    assert result.manifest.filter(pc.invert(result.manifest["cache_hit"]))[
-        "reason"
-    ].to_pylist() == ["input"]
+    assert not_hits(result)["reason"].to_pylist() == ["input"]
 
 
-def test_output_without_index_entry_is_not_a_hit(landed):
-    """A crash after the output write but before the index commit: recomputed, not trusted."""
+def test_unindexed_pack_and_temp_files_are_not_hits(landed):
+    """What a crash leaves (a pack with no index segment, a temp file) is never used."""
     catalog, store = landed
     kind, nodes, params = plan(catalog)
-    node = nodes[0]
-    storage.write_bytes_atomic(store.output_url(kind.name, node.key), b"partial garbage")
+    pack = storage.PackWriter(store.pack_url(kind.name))
+    pack.add(random_book(10))
+    pack.write()
+    tmp = Path(store.index_url(kind.name)) / f"{storage.TMP_MARK}x-segment.parquet"
+    tmp.parent.mkdir(parents=True)
+    tmp.write_bytes(b"half a segment")
     result = run_nodes(kind, params, nodes, store)
     assert result.cache_hits == 0 and result.computed == 4
-    out = storage.read_parquet(store.output_url(kind.name, node.key))
-    assert out.num_rows > 0
 
 
 def test_failed_node_is_recorded_not_indexed(landed):
     catalog, store = landed
-
     kind, nodes, params = plan(catalog)
-    broken = NodeKind(kind.name, _fail_on_bbb, kind.code)
+    broken = NodeKind(kind.name, fail_on_bbb, kind.code)
     result = run_nodes(broken, params, nodes, store)
     assert result.failed == 2 and result.computed == 2
     assert all("BBB/" in e and "boom" in e for e in result.failures)
-    assert store.existing(kind.name, [n.key for n in nodes]).num_rows == 2
-    assert not any(
-        storage.exists(store.output_url(kind.name, n.key))
-        for n in nodes
-        if n.partition.product == "BBB"
-    )
+    committed = store.existing(kind.name, [n.key for n in nodes])
+    assert set(committed["product"].to_pylist()) == {"AAA"}
+    failed = result.manifest.filter(pc.equal(result.manifest["status"], "failed"))
+    assert set(failed["output_url"].to_pylist()) == {""}
+    # Fixed code: exactly the failed nodes run again.
+    again = run_nodes(kind, params, nodes, store)
+    assert again.cache_hits == 2 and set(not_hits(again)["product"].to_pylist()) == {"BBB"}
 
 
 def test_input_changed_in_place_is_refused(landed):
     catalog, store = landed
     kind, nodes, params = plan(catalog)
-    storage.write_bytes_atomic(nodes[0].input_url, storage.parquet_bytes(random_book(10, seed=5)))
+    storage.write_bytes_atomic(nodes[0].input.url, storage.parquet_bytes(random_book(10, seed=5)))
     result = run_nodes(kind, params, nodes[:1], store)
     assert result.failed == 1
-    assert "does not match its catalog digest" in result.failures[0]
+    assert "does not match its digest" in result.failures[0]
+
+
+def test_packed_partitions_match_single_files(tmp_path):
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = str(tmp_path / "store")
+    parts = [(Partition(x, d), random_book(300, seed=i)) for i, (x, d) in
+             enumerate((x, d) for x in PRODUCTS for d in DATES)]  # fmt: skip
+    landed = catalog.land_packed("packed", parts, root=root)
+    assert {x.status for x in landed} == {"new"}
+    assert len({x.entry.location for x in landed}) == 2  # one pack per product
+    for (_, table), x in zip(parts, landed, strict=True):
+        assert storage.read_table(x.entry.blob).equals(table)
+    again = catalog.land_packed("packed", parts, root=root)
+    assert {x.status for x in again} == {"unchanged"}
+    kind, nodes, params = plan(catalog, dataset="packed")
+    assert run_nodes(kind, params, nodes, NodeStore(root)).computed == 4
+
+
+def test_batch_size_follows_work_per_node():
+    assert batch_size(100_000, 2, 0.0002) == 2_500  # tiny nodes: 0.5 s of work per task
+    assert batch_size(100_000, 2, 0.5) == 1  # heavy nodes: one per task
+    assert batch_size(40, 2, 0.0001) == 5  # few nodes: still 4 tasks per worker
+
+
+def test_compaction_keeps_every_key(landed):
+    catalog, store = landed
+    kind, nodes, params = plan(catalog)
+    for n in nodes:  # four runs, four segments
+        run_nodes(kind, params, [n], store)
+    before = store.existing(kind.name, [n.key for n in nodes])
+    assert store.compact(kind.name, min_segments=2) == 4
+    assert len(storage.list_files(store.index_url(kind.name), ".parquet")) == 1
+    after = store.existing(kind.name, [n.key for n in nodes])
+    assert after.sort_by("key").equals(before.sort_by("key"))
 
 
 def test_dask_cluster_gives_same_outputs(landed):
@@ -139,15 +192,50 @@ def test_dask_cluster_gives_same_outputs(landed):
         with Client(cluster) as client:
             remote = run_nodes(kind, params, nodes, other, client=client, site="pool")
     assert remote.computed == 4
-    assert (
-        remote.manifest["output_digest"].to_pylist() == local.manifest["output_digest"].to_pylist()
+    assert remote.manifest.sort_by("key")["output_digest"].equals(
+        local.manifest.sort_by("key")["output_digest"]
     )
     assert set(remote.manifest["site"].to_pylist()) == {"pool"}
 
 
-def _fail_on_bbb(book, params):
-    from tasks.features import features_node
+def test_worker_killed_mid_batch_leaves_nothing_half_done(landed, tmp_path):
+    """A Dask worker process dies in the middle of a batch: Dask reruns the batch on a
+    restarted worker; nothing of the dead attempt is counted, every node ends committed
+    exactly as an undisturbed run would have made it."""
+    from distributed import Client, LocalCluster
 
+    catalog, store = landed
+    kind, nodes, params = plan(catalog)
+    reference = run_nodes(kind, params, nodes, NodeStore(store.root + "-ref"))
+    marker = tmp_path / "killed-once"
+    dying = NodeKind(kind.name, KillOnce(str(marker)), kind.code)
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            result = run_nodes(dying, params, nodes, store, client=client)
+    assert marker.exists()  # the worker really died once
+    assert result.computed == 4 and result.failed == 0
+    index = store.index(kind.name)
+    assert sorted(index["key"].to_pylist()) == sorted(n.key for n in nodes)
+    got = {r["key"]: storage.arrow_bytes(store.read(r)) for r in index.to_pylist()}
+    want = {r["key"]: storage.arrow_bytes(store.read(r)) for r in reference.manifest.to_pylist()}
+    assert got == want
+
+
+class KillOnce:
+    """A compute function that kills its own worker process the first time it runs on BBB."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __call__(self, book, params):
+        out = features_node(book, params)
+        if book.num_rows == BBB_ROWS and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+
+def fail_on_bbb(book, params):
     if book.num_rows == BBB_ROWS:
         raise ValueError("boom")
     return features_node(book, params)
