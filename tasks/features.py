@@ -96,17 +96,21 @@ def future_move_bps(mid: np.ndarray, horizon: int) -> np.ndarray:
     return out
 
 
-def depth_imbalance(table: pa.Table, levels: int, book_levels: int) -> np.ndarray:
-    """(bid depth - ask depth) / total depth over the first `levels` levels.
+def depth_imbalances(table: pa.Table, levels: int, book_levels: int) -> list[np.ndarray]:
+    """(bid depth - ask depth) / total depth over the first k levels, for k = 1..levels.
 
-    A book with fewer levels than asked uses all it has, so products of different
-    depth share one feature layout.
+    A book with fewer levels than asked uses all it has for the deeper ks, so
+    products of different depth share one feature layout.
     """
-    n = min(levels, book_levels)
-    bid = sum(_col(table, f"bid_size_{i}").astype(np.float64) for i in range(1, n + 1))
-    ask = sum(_col(table, f"ask_size_{i}").astype(np.float64) for i in range(1, n + 1))
-    total = bid + ask
-    return np.divide(bid - ask, total, out=np.zeros_like(total), where=total > 0)
+    out: list[np.ndarray] = []
+    bid = ask = None
+    for i in range(1, min(levels, book_levels) + 1):
+        b, a = _col(table, f"bid_size_{i}"), _col(table, f"ask_size_{i}")
+        bid = b.astype(np.float64) if bid is None else bid + b
+        ask = a.astype(np.float64) if ask is None else ask + a
+        total = bid + ask
+        out.append(np.divide(bid - ask, total, out=np.zeros_like(total), where=total > 0))
+    return out + [out[-1]] * (levels - len(out))
 
 
 def order_flow_imbalance(
@@ -125,14 +129,20 @@ def order_flow_imbalance(
     return e
 
 
-def tradable_rows(table: pa.Table) -> np.ndarray:
-    """Rows with a two-sided touch and no halt: the only rows features describe."""
+def tradable_rows(table: pa.Table) -> np.ndarray | None:
+    """Rows with a two-sided touch and no halt: the only rows features describe.
+
+    None when every row qualifies (the common case, checked without a filter).
+    """
     ask = table.column("ask_price_1")
     bid = table.column("bid_price_1")
+    halted = _col(table, "halted").astype(bool)
+    if ask.null_count == 0 and bid.null_count == 0 and not halted.any():
+        return None
     ok = ask.is_valid().to_numpy(zero_copy_only=False) & bid.is_valid().to_numpy(
         zero_copy_only=False
     )
-    return ok & ~_col(table, "halted").astype(bool)
+    return ok & ~halted
 
 
 def compute_features(book: pa.Table, params: FeatureParams) -> pa.Table:
@@ -140,7 +150,9 @@ def compute_features(book: pa.Table, params: FeatureParams) -> pa.Table:
 
     book: a table in `tasks.schema.book_schema(levels)`.
     """
-    book = book.filter(pa.array(tradable_rows(book)))
+    rows = tradable_rows(book)
+    if rows is not None:
+        book = book.filter(pa.array(rows))
     levels = levels_of(book.schema)
     ask = _col(book, "ask_price_1").astype(np.float64) / PRICE_SCALE
     bid = _col(book, "bid_price_1").astype(np.float64) / PRICE_SCALE
@@ -161,8 +173,8 @@ def compute_features(book: pa.Table, params: FeatureParams) -> pa.Table:
         "spread_bps": (ask - bid) / mid * 1e4,
         "micro_dev_bps": (microprice - mid) / mid * 1e4,
     }
-    for k in range(1, params.imbalance_levels + 1):
-        cols[f"imbalance_{k}"] = depth_imbalance(book, k, levels)
+    for k, imbalance in enumerate(depth_imbalances(book, params.imbalance_levels, levels), 1):
+        cols[f"imbalance_{k}"] = imbalance
     ofi = order_flow_imbalance(bid, bid_size, ask, ask_size)
     mean_depth = rolling_sum(touch_depth, params.ofi_window) / params.ofi_window
     cols["ofi"] = np.divide(
