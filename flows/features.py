@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
@@ -58,7 +60,19 @@ def feature_shard(
     site: str,
     client: object | None,
     shard: str,
+    index: pa.Table | None = None,
 ) -> RunResult:
+    # Progress the researcher sees in the Prefect UI, updated at most once a second.
+    artifact = create_progress_artifact(0.0, description=f"feature nodes of shard {shard}")
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        progress.report(f"features {shard}", done, total)
+        now = time.monotonic()
+        if done == total or now - last[0] >= 1.0:
+            last[0] = now
+            update_progress_artifact(artifact, 100.0 * done / max(total, 1))
+
     result = run_nodes(
         kind,
         params,
@@ -66,7 +80,8 @@ def feature_shard(
         NodeStore(store_root),
         client=client,
         site=site,
-        progress=lambda done, total: progress.report(f"features {shard}", done, total),
+        progress=report,
+        index=index,
     )
     get_run_logger().info(
         "shard %s: %d nodes, %d cache hits, %d computed, %d failed in %.2f s",
@@ -126,26 +141,29 @@ def features(
     With `parent_run_id`, records a "features" MLflow child run: counts, throughput,
     the hashes, and the node manifest as a Parquet artifact.
     """
+    t0 = time.perf_counter()
     logger = get_run_logger()
     kind, nodes, by_digest = plan(workspace, selection, features, product_features)
     site = workspace.resolve_site()
     logger.info("%d feature nodes on site %s (%s)", len(nodes), site.name, site.root)
     save_params(site.root, by_digest)
-    results = []
-    with contextlib.ExitStack() as stack:
-        clients: list = []
-
-        def client():  # the cluster starts only if some node is not cached
-            if not clients:
-                clients.append(stack.enter_context(site.client()))
-            return clients[0]
-
-        for i, shard_nodes in enumerate(shards(nodes, shard_size)):
-            results.append(
-                feature_shard(
-                    kind, by_digest, shard_nodes, site.root, site.name, client, f"{site.name}-{i}"
-                )
+    store = NodeStore(site.root)
+    index = store.index(kind.name)  # one read for every shard of the run
+    keys = pa.array([n.key for n in nodes], pa.string())
+    all_cached = pc.all(pc.is_in(keys, value_set=index["key"])).as_py() if nodes else True
+    # The cluster is started (or connected to) only if some node must be computed.
+    with contextlib.nullcontext(None) if all_cached else site.client() as client:
+        # Shards run side by side, so the cluster sees every batch at once and no
+        # worker idles at a shard's tail.
+        futures = [
+            feature_shard.submit(
+                kind, by_digest, shard_nodes, site.root, site.name, client, f"{site.name}-{i}",
+                index,
             )
+            for i, shard_nodes in enumerate(shards(nodes, shard_size))
+        ]  # fmt: skip
+        results = [f.result() for f in futures]
+    store.compact(kind.name)
     manifest = (
         pa.concat_tables([r.manifest for r in results])
         if results
@@ -157,7 +175,8 @@ def features(
         cache_hits=sum(r.cache_hits for r in results),
         computed=sum(r.computed for r in results),
         failed=sum(r.failed for r in results),
-        wall_s=sum(r.wall_s for r in results),
+        wall_s=time.perf_counter() - t0,  # planning included; shards overlap
+        batch_size=max((r.batch_size for r in results), default=0),
     )
     logger.info(
         "features: %d nodes, %d cache hits, %d computed, %d failed",

@@ -362,16 +362,18 @@ def run_nodes(
     client: Any | None = None,
     site: str = "local",
     progress: Callable[[int, int], None] | None = None,
+    index: pa.Table | None = None,
 ) -> RunResult:
     """Run the nodes that are not cached; returns the manifest of all of them.
 
     params: parameter dicts by their digest (`Node.params`); products may differ.
-    client: a `distributed.Client` (the site's cluster), or a zero-argument callable
-      returning one (called only if something must be computed); None runs in-process.
+    client: a `distributed.Client` (the site's cluster); None runs in-process.
     progress(done, total) is called as batches finish.
+    index: the kind's index, when the caller has read it already (one read per run,
+      not one per shard).
     """
     t0 = time.perf_counter()
-    index = store.index(kind.name)
+    index = store.index(kind.name) if index is None else index
     keys = pa.array([n.key for n in nodes], pa.string())
     hits = latest_per(index.filter(pc.is_in(index["key"], value_set=keys)), ["key"])
     hit_keys = set(hits["key"].to_pylist())
@@ -383,8 +385,6 @@ def run_nodes(
     size = 0
     if todo:
         reasons = explain(index, todo)
-        if callable(client) and not hasattr(client, "submit"):
-            client = client()
         workers = len(client.scheduler_info()["workers"]) if client is not None else 1
         node_s = typical_node_s(index)
         computed: list[pa.Table] = []
