@@ -1,4 +1,5 @@
-"""Real servers on loopback for tests: MLflow tracking, an S3 endpoint (moto)."""
+"""Real servers on loopback for tests: MLflow tracking, an S3 endpoint (moto), a Prefect
+server and a Prefect process worker."""
 
 from __future__ import annotations
 
@@ -73,3 +74,91 @@ def s3_server() -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.stop()
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """Terminate, wait, kill if it does not go; never leaves a zombie behind."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout)
+
+
+def prefect_env(home: Path, **settings: str) -> dict[str, str]:
+    """This process's environment without its PREFECT_* settings, plus `settings`.
+
+    A subprocess then reads no profile or API URL of the developer's, only ours.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_UI_ENABLED="false",
+        **settings,
+    )
+    return env
+
+
+@contextlib.contextmanager
+def prefect_server(folder: Path, timeout: float = 120) -> Iterator[str]:
+    """`prefect server start` on a free loopback port, SQLite under `folder`; yields the API URL.
+
+    Its start takes 15-30 s (migrations, services); the log is `folder/prefect-server.log`.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = prefect_env(
+        folder / "server-home",
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
+    )
+    log = open(folder / "prefect-server.log", "wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "prefect", "server", "start",
+            "--host", "127.0.0.1", "--port", str(port), "--no-ui", "--analytics-off",
+        ],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_http(f"{api}/health", timeout=timeout, proc=proc)
+        yield api
+    finally:
+        _stop(proc)
+        log.close()
+
+
+@contextlib.contextmanager
+def prefect_worker(
+    api_url: str, pool: str, folder: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """`prefect worker start --type process` polling `pool` every second; yields the process.
+
+    Flow runs it picks up run as its child processes and inherit its environment
+    (`env` adds to it); the log, flow runs' output included, is `folder/prefect-worker.log`.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    worker_env = prefect_env(
+        folder / "worker-home",
+        PREFECT_API_URL=api_url,
+        PREFECT_WORKER_QUERY_SECONDS="1",
+        PREFECT_WORKER_HEARTBEAT_SECONDS="5",
+        **(env or {}),
+    )
+    log = open(folder / "prefect-worker.log", "wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "prefect", "worker", "start",
+            "--pool", pool, "--type", "process", "--name", f"{pool}-test-worker",
+        ],
+        stdout=log, stderr=subprocess.STDOUT, env=worker_env,
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        # SIGTERM lets the worker cancel its own flow-run processes before it exits.
+        _stop(proc, timeout=30)
+        log.close()
