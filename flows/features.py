@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import quote
 
 from quantloop import progress
 from quantloop.workspace import Selection, Workspace
@@ -156,9 +157,11 @@ def features(
         # Shards run side by side, so the cluster sees every batch at once and no
         # worker idles at a shard's tail.
         futures = [
+            # quote(): Prefect would otherwise walk every node of the shard to find
+            # task dependencies (seconds per 10,000 nodes).
             feature_shard.submit(
-                kind, by_digest, shard_nodes, site.root, site.name, client, f"{site.name}-{i}",
-                index,
+                quote(kind), quote(by_digest), quote(shard_nodes), site.root, site.name,
+                quote(client), f"{site.name}-{i}", quote(index),
             )
             for i, shard_nodes in enumerate(shards(nodes, shard_size))
         ]  # fmt: skip

@@ -92,6 +92,14 @@ class Partition:
         return f"{self.product}/{self.date.isoformat()}"
 
     @classmethod
+    def trusted(cls, product: str, date: dt.date) -> Partition:
+        """A partition read back from our own catalog: validated when it was written."""
+        p = object.__new__(cls)
+        object.__setattr__(p, "product", product)
+        object.__setattr__(p, "date", date)
+        return p
+
+    @classmethod
     def parse(cls, text: str) -> Partition:
         product, _, date = text.partition("/")
         return cls(product, dt.date.fromisoformat(date))

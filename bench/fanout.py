@@ -1,0 +1,327 @@
+"""Fan-out benchmark: 100,000 feature nodes through quantloop's engine, against its peers.
+
+    python bench/fanout.py                       # 200 products x 500 dates, ~6 minutes
+    python bench/fanout.py --products 20 --dates 50 --out /tmp/fanout.json   # quick look
+
+One process tree, one real Prefect server, one Dask LocalCluster (2 workers, as a
+site's long-lived cluster: started once, outside the timings), the same synthetic
+partitions and the same feature function for every row:
+
+  (a) engine, cold        the `features` flow: planning, keys, scheduling, packed
+                          writes, index, manifest, MLflow record
+  (b) engine, no-op       the same flow again: everything is a cache hit
+  (c) engine, 1 product   one product's feature parameters changed
+  (d) raw Dask            `Client.map`, one Dask task per node (a sample)
+  (e) Prefect, threads    one Prefect task per node, default thread runner (a sample)
+  (f) Prefect, Dask       one Prefect task per node, prefect-dask's DaskTaskRunner (a sample)
+
+(d)-(f) compute the same node (read the partition, check its digest, compute the
+features, write the output atomically) one node per task; they run on a sample and
+their rate is what the table reports (nodes/s does not depend on the node count
+once a run is past its first seconds). Results: a table on stdout and a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `python bench/fanout.py` from a checkout
+
+EVENTS_PER_PARTITION = 60  # a small day: the node is far smaller than Dask's per-task cost
+
+
+class RssSampler:
+    """Peak resident memory of this process and all its descendants (Dask workers,
+    the Prefect server), sampled every 0.2 s."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self.peak = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            total = 0
+            for p in [self._proc, *self._proc.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            time.sleep(0.2)
+
+    @contextmanager
+    def phase(self, results: dict, name: str):
+        self.peak = 0
+        yield
+        time.sleep(0.25)
+        results.setdefault(name, {})["peak_rss_mb"] = round(self.peak / 2**20, 1)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def one_node(kind, params: dict, node, root: str) -> float:
+    """The peers' unit of work: the engine's node, alone in its task, its own file."""
+    from tasks import storage
+
+    t0 = time.perf_counter()
+    table = storage.read_table(node.input)
+    out = kind.compute(table, params[node.params])
+    url = storage.join(root, "single", kind.name, node.key[:2], f"{node.key}.arrows")
+    storage.write_bytes_atomic(url, storage.arrow_bytes(out))
+    return time.perf_counter() - t0
+
+
+def land(catalog, root: str, products: int, dates: int) -> list:
+    """products x dates small partitions; one generated session per product, cut into days."""
+    from tasks.schema import Partition
+    from tasks.synthetic import SyntheticConfig, generate_day
+
+    cfg = SyntheticConfig(levels=2, events_per_day=EVENTS_PER_PARTITION * dates, seed=11)
+    days = [dt.date(2024, 1, 1) + dt.timedelta(days=i) for i in range(dates)]
+
+    def items():
+        for p in range(products):
+            name = f"P{p:03d}"
+            session = generate_day(name, days[0], cfg)
+            for i, day in enumerate(days):
+                yield (
+                    Partition(name, day),
+                    session.slice(i * EVENTS_PER_PARTITION, EVENTS_PER_PARTITION),
+                )
+
+    return catalog.land_packed("fanout", items(), root=root)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return ""
+
+
+def machine() -> str:
+    import psutil
+
+    return (
+        f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--products", type=int, default=200)
+    parser.add_argument("--dates", type=int, default=500)
+    parser.add_argument("--sample", type=int, default=2_000, help="nodes for (d) and (e)")
+    parser.add_argument("--dask-runner-sample", type=int, default=300, help="nodes for (f)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fanout.json")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+
+    from tests.servers import prefect_server  # the same launcher the tests use
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="quantloop-fanout-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rss = RssSampler()
+    results: dict = {}
+    print(f"workdir {work}", flush=True)
+    with prefect_server(work / "prefect") as api:
+        # Set before Prefect is imported and before the Dask workers start, so every
+        # process (the flows here, tasks on the workers) talks to this one server.
+        os.environ["PREFECT_API_URL"] = api
+        os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+        run(args, work, rss, results)
+    rss.close()
+    report(args, results)
+
+
+def run(args, work: Path, rss: RssSampler, results: dict) -> None:
+    import pyarrow.compute as pc
+    from distributed import Client, LocalCluster
+    from prefect import flow, task
+    from prefect.task_runners import ThreadPoolTaskRunner
+    from prefect_dask import DaskTaskRunner
+
+    from blocks.site import Site
+    from flows.features import features, plan
+    from quantloop.workspace import Selection, Workspace
+    from tasks import tracking
+    from tasks.features import FeatureParams
+
+    params = FeatureParams(
+        imbalance_levels=2, return_lags=(1, 5), vol_windows=(10,), ofi_window=10,
+        label_horizons=(5, 10),
+    )  # fmt: skip
+    with LocalCluster(
+        n_workers=args.workers, threads_per_worker=1, dashboard_address=None, silence_logs=40
+    ) as cluster:
+        site = Site(name="bench", scheduler_address=cluster.scheduler_address,
+                    storage_root=str(work / "store"))  # fmt: skip
+        site.save("fanout-bench", overwrite=True)
+        workspace = Workspace(home=str(work / "home"), site="fanout-bench", experiment="fanout")
+        catalog = workspace.catalog()
+        t0 = time.perf_counter()
+        landed = land(catalog, site.root, args.products, args.dates)
+        n = len(landed)
+        results["setup"] = {"land_s": time.perf_counter() - t0, "nodes": n}
+        print(f"landed {n} partitions in {results['setup']['land_s']:.1f} s", flush=True)
+        selection = Selection(dataset="fanout")
+        mlflow, experiment = tracking.client_for(workspace.resolve_tracking())  # warm the store
+        parent = mlflow.create_run(experiment, run_name=f"fanout-{n}").info.run_id
+
+        @flow(name="warm-up")
+        def warm_up() -> None:  # the server's first flow run: not part of any timing
+            pass
+
+        warm_up()
+
+        def engine(name: str, product_features=None) -> None:
+            with rss.phase(results, name):
+                t = time.perf_counter()
+                result = features(workspace, selection, params, product_features,
+                                  shard_size=10_000, parent_run_id=parent)  # fmt: skip
+                wall = time.perf_counter() - t
+            m = result.manifest
+            ran = m.filter(pc.invert(m["cache_hit"]))
+            compute_s = pc.sum(ran["duration_s"]).as_py() or 0.0
+            results[name].update(
+                nodes=result.nodes, wall_s=wall, computed=result.computed,
+                cache_hits=result.cache_hits, failed=result.failed,
+                nodes_per_s=result.nodes / wall, node_compute_s=compute_s,
+                efficiency=compute_s / args.workers / wall if result.computed else None,
+                batch_size=result.batch_size,
+                recomputed_products=sorted(set(ran["product"].to_pylist()))[:5],
+            )  # fmt: skip
+            print(f"{name}: {result.nodes} nodes, {result.computed} computed in {wall:.2f} s",
+                  flush=True)  # fmt: skip
+
+        engine("a_cold")
+        engine("b_noop")
+        engine("c_one_product", {"P007": {"ofi_window": 12}})
+
+        kind, nodes, by_digest = plan(workspace, selection, params, None)
+        root = str(work / "peers")
+        sample = nodes[: args.sample]
+        with Client(cluster) as client:
+            client.run(lambda: None)  # connections up before the clock starts
+            with rss.phase(results, "d_raw_dask"):
+                t = time.perf_counter()
+                durations = client.gather(
+                    client.map(
+                        one_node,
+                        [kind] * len(sample),
+                        [by_digest] * len(sample),
+                        sample,
+                        [root] * len(sample),
+                        pure=False,
+                    )  # fmt: skip
+                )
+                wall = time.perf_counter() - t
+            results["d_raw_dask"].update(nodes=len(sample), wall_s=wall,
+                                         nodes_per_s=len(sample) / wall,
+                                         node_compute_s=sum(durations))  # fmt: skip
+            print(f"d_raw_dask: {len(sample)} nodes in {wall:.2f} s", flush=True)
+
+        node_task = task(one_node, name="node", cache_policy=None, persist_result=False)
+
+        def per_task(runner, name: str, count: int) -> None:
+            batch = nodes[args.sample : args.sample + count]
+
+            @flow(name=name, task_runner=runner)
+            def per_node_flow(count: int) -> None:  # nodes come from the closure, not the API
+                futures = [node_task.submit(kind, by_digest, nd, root) for nd in batch[:count]]
+                for f in futures:
+                    f.result()
+
+            with rss.phase(results, name):
+                t = time.perf_counter()
+                per_node_flow(len(batch))
+                wall = time.perf_counter() - t
+            results[name].update(nodes=len(batch), wall_s=wall, nodes_per_s=len(batch) / wall)
+            print(f"{name}: {len(batch)} nodes in {wall:.2f} s", flush=True)
+
+        per_task(ThreadPoolTaskRunner(), "e_prefect_threads", args.sample)
+        per_task(DaskTaskRunner(address=cluster.scheduler_address), "f_prefect_dask",
+                 args.dask_runner_sample)  # fmt: skip
+        mlflow.set_terminated(parent, "FINISHED")
+
+
+def report(args, results: dict) -> None:
+    a = results["a_cold"]
+    rows = [
+        ("(a) engine, cold", "a_cold"),
+        ("(b) engine, no-op re-run", "b_noop"),
+        ("(c) engine, one product changed", "c_one_product"),
+        ("(d) raw Dask, task per node", "d_raw_dask"),
+        ("(e) Prefect task per node, threads", "e_prefect_threads"),
+        ("(f) Prefect task per node, DaskTaskRunner", "f_prefect_dask"),
+    ]
+    print()
+    print(f"{'run':44} {'nodes':>8} {'computed':>9} {'wall s':>8} {'nodes/s':>9} "
+          f"{'peak RSS MB':>12} {'(a)/this':>9}")  # fmt: skip
+    for label, key in rows:
+        r = results[key]
+        computed = r.get("computed", r["nodes"])
+        ratio = a["nodes_per_s"] / r["nodes_per_s"]
+        print(f"{label:44} {r['nodes']:>8} {computed:>9} {r['wall_s']:>8.2f} "
+              f"{r['nodes_per_s']:>9.0f} {r['peak_rss_mb']:>12.0f} {ratio:>9.1f}")  # fmt: skip
+    print(f"\n(d)-(f) ran on samples of {results['d_raw_dask']['nodes']}, "
+          f"{results['e_prefect_threads']['nodes']} and {results['f_prefect_dask']['nodes']} "
+          f"nodes; their nodes/s is the sample's rate. (a)/this: how many times the engine's "
+          f"cold node rate is this run's rate.")  # fmt: skip
+    print(
+        f"(a) scheduling efficiency (node compute s / {args.workers} workers / wall s): "
+        f"{a['efficiency']:.2f}; batch size chosen: {a['batch_size']} nodes per Dask task"
+    )
+    summary = {
+        "nodes": a["nodes"],
+        "cold_s": a["wall_s"],
+        "noop_rerun_s": results["b_noop"]["wall_s"],
+        "one_product_rerun_s": results["c_one_product"]["wall_s"],
+        "one_product_rerun_nodes": results["c_one_product"]["computed"],
+        "raw_dask_nodes_per_s": results["d_raw_dask"]["nodes_per_s"],
+        "prefect_thread_nodes_per_s": results["e_prefect_threads"]["nodes_per_s"],
+        "prefect_dask_nodes_per_s": results["f_prefect_dask"]["nodes_per_s"],
+        "engine_nodes_per_s": a["nodes_per_s"],
+        "engine_vs_raw_dask": a["nodes_per_s"] / results["d_raw_dask"]["nodes_per_s"],
+        "engine_vs_prefect_thread": a["nodes_per_s"] / results["e_prefect_threads"]["nodes_per_s"],
+        "engine_vs_prefect_dask": a["nodes_per_s"] / results["f_prefect_dask"]["nodes_per_s"],
+        "efficiency": a["efficiency"],
+        "peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in results.values()),
+        "workers": args.workers,
+        "events_per_partition": EVENTS_PER_PARTITION,
+        "machine": machine(),
+        "commit": git_commit(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "runs": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The `ladder` flow: run the GPU optimization ladder, record each rung in MLflow, report.
+
+One parent MLflow run "ladder" with the device, config and ceilings; one child run per
+rung with its metrics (throughput, launches, syncs, utilisation, memory, FLOPs, roofline,
+equivalence figures), its loss curve, its profiler trace and equivalence figures as
+artifacts; the parent holds the throughput-per-rung plot and the markdown report. On a
+machine without CUDA the CUDA-only rungs are recorded as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel, ConfigDict, Field
+
+from profiling.config import preset
+from profiling.ladder import RUNGS, run_ladder, table_markdown
+from quantloop.provenance import git_commit
+from quantloop.workspace import Workspace
+from tasks import tracking
+
+REPORT_NAME = "ladder.md"
+
+
+class LadderParams(BaseModel):
+    """What a ladder run depends on. Unknown fields are errors, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workspace: Workspace = Field(default_factory=Workspace)
+    preset: Literal["auto", "h200", "cpu_tiny"] = Field(
+        default="auto", description="Config preset; auto = h200 with CUDA, else cpu_tiny."
+    )
+    rungs: list[int] = Field(
+        default_factory=list, description="Rung numbers to run (1 always runs); empty: all."
+    )
+    out_dir: str | None = Field(
+        default=None, description="Folder for traces and the report; empty: <home>/ladder."
+    )
+
+
+def throughput_figure(result: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rungs"] if not r.get("skipped")]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"{r['number']}. {r['name']}" for r in rows]
+    colors = ["tab:blue" if r["equivalent"] else "tab:red" for r in rows]
+    ax.bar(labels, [r["samples_per_s"] for r in rows], color=colors)
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"ladder on {result['gpu']} (red: not equivalent)")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    return fig
+
+
+def equivalence_figure(row: dict, base_curve: list[float], log_every: int):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [(i + 1) * log_every for i in range(len(base_curve))]
+    ax.plot(steps, base_curve, label="baseline")
+    ax.plot(steps, row["loss_curve"], "--", label=row["name"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (interval mean)")
+    ax.set_title(f"rung {row['number']}: loss dev {row['loss_max_rel_dev']:.2e}")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def report_markdown(result: dict) -> str:
+    lines = [
+        f"# GPU optimization ladder on {result['gpu']}",
+        "",
+        f"torch {result['torch']}, batch {result['batch_size']}, commit "
+        f"`{result.get('commit') or 'unknown'}`, {result['date']}.",
+        "",
+        table_markdown(result),
+        "",
+    ]
+    if result.get("ceilings"):
+        c = result["ceilings"]
+        lines.append(
+            f"Measured ceilings: bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s, "
+            f"device copy {c['copy_gbps']:.0f} GB/s."
+        )
+    ctl = result.get("controls") or {}
+    if ctl:
+        lines += ["", "Controls (baseline re-trained; deviation from the baseline):", ""]
+        lines += [
+            f"- {name}: loss {v['loss_max_rel_dev']:.2e}, pred L2 {v['pred_rel_l2']:.2e}, "
+            f"mark-out {v['markout_delta_bps']:.3f} bp"
+            for name, v in ctl.items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@flow(name="ladder")
+def ladder(params: LadderParams = LadderParams()) -> dict:
+    """Run the rungs cumulatively; returns the results (also in MLflow and as a report)."""
+    logger = get_run_logger()
+    cfg = preset(params.preset)
+    out = params.out_dir or os.path.join(params.workspace.home_abs, "ladder")
+    result = run_ladder(cfg, out, rungs=tuple(params.rungs) or None, log=logger.info)
+    result["commit"] = git_commit()
+    report = report_markdown(result)
+    with open(os.path.join(out, REPORT_NAME), "w") as f:
+        f.write(report)
+    with open(os.path.join(out, "ladder.json"), "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+    client, experiment = tracking.client_for(params.workspace.resolve_tracking())
+    base_curve = result["rungs"][0]["loss_curve"]
+    with tracking.run(client, experiment, "ladder", tags={"gpu": result["gpu"]}) as parent:
+        parent.params({f"ladder.{k}": v for k, v in result["config"].items()})
+        parent.params({"gpu": result["gpu"], "torch": result["torch"], "preset": params.preset})
+        parent.metrics({f"ceiling.{k}": v for k, v in result["ceilings"].items()})
+        parent.flush()
+        for row in result["rungs"]:
+            with tracking.run(
+                client, experiment, f"rung{row['number']}-{row['name']}", parent=parent.run_id
+            ) as child:
+                child.params({"rung": row["number"], "name": row["name"],
+                              "predicted": row["predicted"]})  # fmt: skip
+                if row.get("skipped"):
+                    child.tags({"skipped": row["skipped"]})
+                    continue
+                child.params({f"switch.{k}": v for k, v in row["switches"].items()})
+                child.params({f"tolerance.{k}": v for k, v in row["tolerance"].items()})
+                child.tags({"equivalent": row["equivalent"], "failures": "; ".join(row["failures"])})
+                child.metrics({
+                    k: float(v) for k, v in row.items()
+                    if isinstance(v, int | float) and not isinstance(v, bool) and k != "number"
+                })  # fmt: skip
+                child.metrics({"equivalent": float(row["equivalent"])})
+                steps = [(i + 1) * cfg.log_every for i in range(len(row["loss_curve"]))]
+                child.series("loss", row["loss_curve"], steps)
+                child.flush()
+                child.figure(equivalence_figure(row, base_curve, cfg.log_every), "equivalence.png")
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = os.path.join(tmp, "equivalence.json")
+                    with open(path, "w") as f:
+                        json.dump({k: row[k] for k in ("step0_rel", "loss_max_rel_dev",
+                                   "pred_rel_l2", "markout_delta_bps", "tolerance",
+                                   "equivalent", "failures")}, f, indent=2)  # fmt: skip
+                    child.artifact(path)
+                if row.get("trace"):
+                    child.artifact(os.path.join(out, row["trace"]), "trace")
+        parent.figure(throughput_figure(result), "throughput.png")
+        parent.artifact(os.path.join(out, REPORT_NAME))
+        result["mlflow_run_id"] = parent.run_id
+    create_markdown_artifact(
+        markdown=report, key="ladder-report", description="Throughput and equivalence per rung"
+    )
+    ran = [r for r in result["rungs"] if not r.get("skipped")]
+    logger.info(
+        "ladder done: %d of %d rungs ran, top %.0f samples/s (%.2fx); all equivalent: %s",
+        len(ran), len(RUNGS), ran[-1]["samples_per_s"], ran[-1]["speedup_vs_baseline"],
+        all(r["equivalent"] for r in ran),
+    )  # fmt: skip
+    return result
