@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import os
 import tempfile
 from dataclasses import asdict
@@ -107,11 +109,34 @@ def train(
         save_model(result, local)
         with open(local, "rb") as f:
             storage.write_bytes_atomic(url, f.read())
+        record_lineage(site.root, key, result.model_digest, outputs, config, holdout_fraction)
         run_id = _record(
             workspace, parent_run_id, config, features, holdout_fraction, len(outputs),
             result, key, site.name, cache_hit=False, local=local,
         )  # fmt: skip
     return _summary(result, url, key, cache_hit=False, run_id=run_id)
+
+
+def record_lineage(
+    root: str,
+    key: str,
+    digest: str,
+    outputs: dict,
+    config: TrainConfig,
+    holdout_fraction: float,
+) -> None:
+    """Which feature nodes a model was trained from, so lineage runs both ways."""
+    record = {
+        "model_key": key,
+        "model_digest": digest,
+        "feature_keys": sorted(o.key for o in outputs.values()),
+        "partitions": sorted(str(p) for p in outputs),
+        "config": asdict(config),
+        "holdout_fraction": holdout_fraction,
+        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    url = storage.join(root, "lineage", "models", f"{key}.json")
+    storage.write_bytes_atomic(url, json.dumps(record, indent=1).encode())
 
 
 def _summary(result, url: str, key: str, *, cache_hit: bool, run_id: str | None) -> TrainSummary:

@@ -119,5 +119,115 @@ def run(
         console.print(f"summary written to {summary_json}")
 
 
+@app.command()
+def ladder(
+    preset: Annotated[
+        str, typer.Option(help="auto (h200 with CUDA, else cpu_tiny), h200 or cpu_tiny")
+    ] = "auto",
+    rungs: Annotated[
+        str, typer.Option(help="Comma-separated rung numbers (1 always runs); default: all")
+    ] = "",
+    out: Annotated[Path | None, typer.Option(help="Folder for traces and the report")] = None,
+    home: Annotated[
+        str | None, typer.Option(help="Folder for the embedded defaults [default: .quantloop]")
+    ] = None,
+    tracking_uri: Annotated[
+        str | None, typer.Option(help="MLflow tracking URI [default: SQLite in home]")
+    ] = None,
+) -> None:
+    """Run the GPU optimization ladder flow and print its table (docs/ladder.md)."""
+    from flows.ladder import LadderParams
+    from flows.ladder import ladder as ladder_flow
+    from profiling.ladder import table_markdown
+
+    ws = {k: v for k, v in (("home", home), ("tracking_uri", tracking_uri)) if v is not None}
+    try:
+        params = LadderParams(
+            workspace=ws,
+            preset=preset,
+            rungs=[int(r) for r in rungs.split(",") if r.strip()],
+            out_dir=str(out.resolve()) if out else None,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    result = ladder_flow(params)
+    print(table_markdown(result))
+    console.print(
+        f"MLflow run {result['mlflow_run_id']}; report in {params.out_dir or 'home/ladder'}"
+    )
+
+
+@app.command()
+def nodes(
+    home: Annotated[str, typer.Option(help="The workspace folder")] = ".quantloop",
+    site: Annotated[str | None, typer.Option(help="A saved Site block, if not local")] = None,
+    kind: Annotated[str, typer.Option(help="Node kind")] = "features",
+    product: Annotated[str | None, typer.Option(help="Only this product")] = None,
+    date: Annotated[str | None, typer.Option(help="Only this date (YYYY-MM-DD)")] = None,
+    status: Annotated[str | None, typer.Option(help="ok or failed")] = None,
+    cache_hit: Annotated[
+        bool | None, typer.Option("--cache-hit/--computed", help="Only hits / only computed")
+    ] = None,
+    all_runs: Annotated[bool, typer.Option("--all-runs", help="Every run, not the last")] = False,
+    lineage: Annotated[
+        str | None, typer.Option(help="Show the lineage of the node with this key (or prefix)")
+    ] = None,
+    limit: Annotated[int, typer.Option(help="Rows to show")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+) -> None:
+    """Query node records: filter the run manifests, or show one node's lineage."""
+    import datetime as dt
+
+    from quantloop.workspace import Workspace
+    from tasks import manifest
+
+    ws = Workspace(home=home, site=site)
+    root = ws.resolve_site().root
+    if lineage is not None:
+        try:
+            found = manifest.lineage(root, ws.catalog(), lineage, kind)
+        except LookupError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--lineage") from exc
+        typer.echo(json.dumps(found, indent=2, default=str))
+        return
+    if status not in (None, "ok", "failed"):
+        raise typer.BadParameter("status must be ok or failed", param_hint="--status")
+    try:
+        day = dt.date.fromisoformat(date) if date else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--date") from exc
+    records = manifest.load_manifests(root, kind, all_runs=all_runs)
+    if records.num_rows == 0:
+        console.print(f"no {kind} runs recorded under {root}")
+        raise typer.Exit(1)
+    rows = manifest.select(records, product=product, date=day, status=status, cache_hit=cache_hit)
+    if as_json:
+        typer.echo(json.dumps(rows.slice(0, limit).to_pylist(), indent=1, default=str))
+        return
+    hits = pa_sum(rows, "cache_hit")
+    failed = rows.num_rows - pa_sum(rows, "status", "ok")
+    console.print(
+        f"{rows.num_rows} of {records.num_rows} nodes match ({hits} cache hits, "
+        f"{rows.num_rows - hits - failed} computed, {failed} failed)"
+    )
+    table = Table()
+    for col in ("key", "product", "date", "status", "hit", "reason", "rows", "ms", "site", "run"):
+        table.add_column(col, justify="right" if col in ("rows", "ms") else "left")
+    for r in rows.slice(0, limit).to_pylist():
+        table.add_row(
+            r["key"][:16], r["product"], r["date"], r["status"], "yes" if r["cache_hit"] else "",
+            r["reason"] or r["error"][:40], str(r["rows"]), f"{r['duration_s'] * 1e3:.2f}",
+            r["site"], r["run"][:15],
+        )  # fmt: skip
+    console.print(table)
+
+
+def pa_sum(table, column: str, equal_to=None) -> int:
+    import pyarrow.compute as pc
+
+    values = table[column] if equal_to is None else pc.equal(table[column], equal_to)
+    return int(pc.sum(values).as_py() or 0)
+
+
 if __name__ == "__main__":
     app()

@@ -105,6 +105,22 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     assert set(ran["product"].to_pylist()) == {"SYNB"}
     assert set(ran["reason"].to_pylist()) == {"params"}
 
+    # The same records from the command line, and one node's lineage both ways.
+    home = str(tmp_path / "home")
+    runner = CliRunner(env={"COLUMNS": "400"})
+    out = runner.invoke(app, ["nodes", "--home", home, "--computed", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert {r["product"] for r in rows} == {"SYNB"} and len(rows) == 3
+    out = runner.invoke(app, ["nodes", "--home", home, "--lineage", rows[0]["key"][:20]])
+    assert out.exit_code == 0, out.output
+    lineage = json.loads(out.output)
+    assert lineage["params"]["ofi_window"] == 20
+    assert lineage["inputs"][0]["dataset"] == "synthetic"
+    assert [m["model_digest"] for m in lineage["used_by_models"]] == [changed["model_digest"]]
+    out = runner.invoke(app, ["nodes", "--home", home, "--product", "SYNA", "--all-runs"])
+    assert out.exit_code == 0 and "9 of 18 nodes match" in out.output
+
 
 def test_research_on_lobster_files(prefect_api, tmp_path, lobster_dir):
     params = ResearchParams.model_validate(
