@@ -42,6 +42,11 @@ CREATE TABLE IF NOT EXISTS partitions (
 """
 
 
+def _day(cache: dict[str, dt.date], text: str) -> dt.date:
+    cache[text] = dt.date.fromisoformat(text)
+    return cache[text]
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One catalog row: the current version of a partition."""
@@ -202,7 +207,11 @@ class Catalog:
                 " length, site, source FROM partitions WHERE dataset = ? ORDER BY product, date",
                 (dataset,),
             ).fetchall()
-        entries = [Entry(r[0], Partition(r[1], dt.date.fromisoformat(r[2])), *r[3:]) for r in found]
+        dates: dict[str, dt.date] = {}  # a few hundred distinct days among 10^5 rows
+        entries = [
+            Entry(r[0], Partition.trusted(r[1], dates.get(r[2]) or _day(dates, r[2])), *r[3:])
+            for r in found
+        ]
         if partitions is None:
             return entries
         wanted = set(partitions)

@@ -416,6 +416,8 @@ def run_nodes(
         )
         parts.append(ran)
     manifest = pa.concat_tables(parts) if parts else MANIFEST_SCHEMA.empty_table()
+    # Stable order, whatever order the batches finished in.
+    manifest = manifest.sort_by([("product", "ascending"), ("date", "ascending")])
     failed = pc.sum(pc.equal(manifest["status"], "failed")).as_py() or 0
     return RunResult(
         manifest=manifest,

@@ -39,22 +39,36 @@ class Blob:
     digest: str
 
 
+# What s3fs reads from the environment: part of the cache key, so a process that
+# switches endpoints or credentials never reuses a filesystem built for the old ones.
+_S3_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_REGION",
+)
+
+
 @lru_cache(maxsize=32)
-def _fs_for(protocol_root: str) -> fsspec.AbstractFileSystem:
-    fs, _ = fsspec.core.url_to_fs(protocol_root)
+def _fs_for(protocol: str, env: tuple[str | None, ...]) -> fsspec.AbstractFileSystem:
+    # skip_instance_cache: fsspec's own cache ignores the environment.
+    fs, _ = fsspec.core.url_to_fs(f"{protocol}://", skip_instance_cache=True)
     return fs
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path inside it) for a local path or a URL such as s3://bucket/x.
 
-    Filesystems are cached per protocol (and endpoint, read from the environment
-    by s3fs), so a worker reading many partitions opens one connection pool.
+    Filesystems are cached per protocol and S3 environment, so a worker reading
+    many partitions opens one connection pool.
     """
     protocol = url.split("://", 1)[0] if "://" in url else "file"
-    fs = _fs_for(f"{protocol}://") if protocol != "file" else _fs_for("file://")
-    path = fs._strip_protocol(url)
-    return fs, path
+    env = tuple(os.environ.get(k) for k in _S3_ENV) if protocol in ("s3", "s3a") else ()
+    fs = _fs_for(protocol, env)
+    return fs, fs._strip_protocol(url)
 
 
 def join(root: str, *parts: str) -> str:

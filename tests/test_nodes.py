@@ -76,12 +76,33 @@ def test_rerun_is_all_cache_hits_and_changed_param_reruns_only_its_nodes(landed)
     assert set(not_hits(changed)["reason"].to_pylist()) == {"params"}
 
 
+def test_manifest_rows_are_complete(landed):
+    catalog, store = landed
+    kind, nodes, params = plan(catalog)
+    for result in (run_nodes(kind, params, nodes, store), run_nodes(kind, params, nodes, store)):
+        m = result.manifest
+        assert m.num_rows == len(nodes)
+        assert sorted(m["key"].to_pylist()) == sorted(n.key for n in nodes)
+        for row in m.to_pylist():
+            assert row["status"] == "ok" and row["error"] == ""
+            assert all(len(row[c]) == 64 for c in ("key", "code", "params", "inputs",
+                                                   "output_digest"))  # fmt: skip
+            assert row["output_url"] and row["output_length"] > 0 and row["rows"] > 0
+            assert row["duration_s"] > 0 and row["site"] == "local"
+            assert (row["reason"] == "") == row["cache_hit"]
+        assert [(r["product"], r["date"]) for r in m.to_pylist()] == sorted(
+            (n.partition.product, n.partition.date.isoformat()) for n in nodes
+        )
+
+
 def test_outputs_read_back_with_their_digest(landed):
     catalog, store = landed
     kind, nodes, params = plan(catalog)
     result = run_nodes(kind, params, nodes, store)
     entries = {e.partition: e for e in catalog.entries("test")}
-    for row, node in zip(result.manifest.to_pylist(), nodes, strict=True):
+    by_key = {n.key: n for n in nodes}
+    for row in result.manifest.to_pylist():
+        node = by_key[row["key"]]
         out = store.read(row)
         book = storage.read_table(entries[node.partition].blob)
         # Byte equality: labels hold NaN at the day's end, and NaN != NaN in Table.equals.
