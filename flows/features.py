@@ -7,6 +7,7 @@ batches of nodes; every node keeps its own key, output and manifest row.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import time
@@ -191,7 +192,8 @@ def features(
     result_url = save_manifest(site.root, kind.name, manifest)
     logger.info("node manifest: %s", result_url)
     if parent_run_id is not None:
-        record(workspace, parent_run_id, kind, by_digest, site.name, result)
+        run_id = record(workspace, parent_run_id, kind, by_digest, site.name, result)
+        result = dataclasses.replace(result, mlflow_run_id=run_id)
     if result.failed:
         lines = "\n  ".join(result.failures[:20])
         raise NodeFailures(

@@ -201,15 +201,23 @@ def research(params: ResearchParams = ResearchParams()) -> dict:
         "params_hash": tags["params_hash"],
         "dataset": selection.dataset,
         "mlflow_run_id": run_id,
+        "mlflow_stage_runs": {
+            "features": feats.mlflow_run_id,
+            "train": trained.mlflow_run_id,
+            "simulate": sim.mlflow_run_id,
+        },
         "mlflow_experiment_id": experiment,
         "tracking_uri": tracking_block.resolved_uri(),
         "prefect_flow_run_id": tags["prefect_flow_run_id"],
         "wall_s": time.perf_counter() - t0,
     }
+    links = {
+        name: mlflow_link(summary["tracking_uri"], experiment, rid)
+        for name, rid in {"research": run_id, **summary["mlflow_stage_runs"]}.items()
+        if rid
+    }
     create_markdown_artifact(
-        markdown=summary_markdown(
-            summary, mlflow_link(summary["tracking_uri"], experiment, run_id)
-        ),
+        markdown=summary_markdown(summary, links),
         key="research-summary",
         description="Mark-out of the model and the baseline, cache hits and MLflow links",
     )
@@ -217,7 +225,7 @@ def research(params: ResearchParams = ResearchParams()) -> dict:
     return summary
 
 
-def summary_markdown(summary: dict, link: str) -> str:
+def summary_markdown(summary: dict, links: dict[str, str]) -> str:
     horizons = list(summary["markout_bps"])
     head = "| signal | trades | " + " | ".join(horizons) + " |"
     rule = "|---|---:|" + "---:|" * len(horizons)
@@ -240,7 +248,8 @@ def summary_markdown(summary: dict, link: str) -> str:
             rule,
             *rows,
             "",
-            f"MLflow run `{summary['mlflow_run_id']}`: {link}",
+            "## MLflow runs",
+            *(f"- {name}: {link}" for name, link in links.items()),
             "",
             f"Model `{summary['model_digest'][:16]}`, data `{summary['data_digest'][:16]}`, "
             f"code `{summary['code_digest'][:16]}`, params `{summary['params_hash'][:16]}`.",

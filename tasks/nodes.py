@@ -346,6 +346,7 @@ class RunResult:
     failed: int
     wall_s: float
     batch_size: int = 0
+    mlflow_run_id: str | None = None  # set by a flow that records the run
 
     @property
     def failures(self) -> list[str]:

@@ -91,6 +91,14 @@ class RunLog:
         self.client.log_figure(self.run_id, fig, name)
 
 
+def _prefect_tags() -> dict[str, str]:
+    """The Prefect flow run this MLflow run belongs to, when there is one."""
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.id
+    return {"prefect_flow_run_id": run_id, "prefect_flow": flow_run.flow_name} if run_id else {}
+
+
 @contextlib.contextmanager
 def run(
     client: MlflowClient,
@@ -101,7 +109,7 @@ def run(
     tags: Mapping[str, Any] | None = None,
 ) -> Iterator[RunLog]:
     """An MLflow run that ends FINISHED, or FAILED if the block raises; flushed on exit."""
-    all_tags = {"mlflow.runName": name, **(tags or {})}
+    all_tags = {"mlflow.runName": name, **_prefect_tags(), **(tags or {})}
     if parent:
         all_tags[PARENT_TAG] = parent
     created = client.create_run(

@@ -10,6 +10,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
 from typer.testing import CliRunner
 
 from flows.research import ResearchParams, research
@@ -65,6 +72,18 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
 
     stages = children(client, parent.info.run_id)
     assert set(stages) == {"features", "train", "simulate"}
+    assert {r.data.tags["prefect_flow_run_id"] for r in stages.values()} != {""}
+    assert first["mlflow_stage_runs"] == {n: r.info.run_id for n, r in stages.items()}
+
+    # The Prefect UI's summary: a markdown artifact of the flow run, linking every MLflow run.
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["research-summary"])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first["prefect_flow_run_id"]])),
+        )
+    [artifact] = artifacts
+    assert "Mark-out" in artifact.data and all(r.info.run_id in artifact.data
+                                               for r in stages.values())  # fmt: skip
     features = stages["features"]
     assert features.data.metrics["cache_hits"] == 0 and features.data.metrics["computed"] == 6
     assert len(features.data.params["code_fingerprint"]) == 64
