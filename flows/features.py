@@ -97,6 +97,13 @@ def feature_shard(
     return result
 
 
+def why_recomputed(manifest: pa.Table) -> dict[str, int]:
+    """Counts of computed nodes by the part of their key that changed (new, code, params, ...)."""
+    ran = manifest.filter(pc.invert(manifest["cache_hit"]))
+    counts = pc.value_counts(ran["reason"]).to_pylist() if ran.num_rows else []
+    return {c["values"]: c["counts"] for c in counts}
+
+
 def save_params(root: str, by_digest: Mapping[str, dict]) -> None:
     """Parameters by digest, so a node's lineage can show the values behind its hash."""
     for digest, values in by_digest.items():
@@ -189,6 +196,11 @@ def features(
         result.computed,
         result.failed,
     )
+    reasons = why_recomputed(manifest)
+    if reasons:
+        logger.info(
+            "recomputed because: %s", ", ".join(f"{k} changed: {v}" for k, v in reasons.items())
+        )
     result_url = save_manifest(site.root, kind.name, manifest)
     logger.info("node manifest: %s", result_url)
     if parent_run_id is not None:
@@ -231,6 +243,7 @@ def record(
                 "node_compute_s": compute_s,
                 "output_rows": pc.sum(m["rows"]).as_py() or 0,
                 "output_bytes": pc.sum(m["output_length"]).as_py() or 0,
+                **{f"recomputed.{k}": v for k, v in why_recomputed(m).items()},
             }
         )
         run.table(m, "features_manifest.parquet", "manifest")

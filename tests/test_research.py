@@ -120,6 +120,7 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
             stages["features"].info.run_id, "manifest/features_manifest.parquet", str(tmp_path)
         )
     )
+    assert stages["features"].data.metrics["recomputed.params"] == 3
     ran = manifest.filter(pc.invert(manifest["cache_hit"]))
     assert set(ran["product"].to_pylist()) == {"SYNB"}
     assert set(ran["reason"].to_pylist()) == {"params"}
