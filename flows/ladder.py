@@ -139,7 +139,9 @@ def ladder(params: LadderParams = LadderParams()) -> dict:
                     continue
                 child.params({f"switch.{k}": v for k, v in row["switches"].items()})
                 child.params({f"tolerance.{k}": v for k, v in row["tolerance"].items()})
-                child.tags({"equivalent": row["equivalent"], "failures": "; ".join(row["failures"])})
+                child.tags(
+                    {"equivalent": row["equivalent"], "failures": "; ".join(row["failures"])}
+                )
                 child.metrics({
                     k: float(v) for k, v in row.items()
                     if isinstance(v, int | float) and not isinstance(v, bool) and k != "number"

@@ -1,0 +1,62 @@
+"""Run the whole GPU optimization ladder once and write its results.
+
+    python bench/ladder.py --out $OUT [--preset h200] [--commit SHA] [--quick]
+
+Writes to --out: ladder-h200.json (every figure), ladder-h200.md (the table),
+ladder-h200.traces.tar.gz (one Chrome/Perfetto trace per rung) and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from profiling.config import preset  # noqa: E402
+from profiling.ladder import run_ladder, table_markdown  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="auto")
+    ap.add_argument("--name", default="ladder-h200", help="file stem of the results")
+    ap.add_argument("--work", default="/tmp/ladder-work", help="store and raw traces")
+    ap.add_argument("--commit", default="", help="the commit the tree was taken from")
+    ap.add_argument("--quick", action="store_true", help="smoke test: few timed steps")
+    ap.add_argument("--rungs", default="", help="comma-separated rung numbers (default: all)")
+    args = ap.parse_args()
+
+    cfg = preset(args.preset)
+    if args.quick:
+        cfg = dataclasses.replace(cfg, timed_steps=50, n_days=3)
+    out = Path(args.out)
+    work = Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rungs = tuple(int(r) for r in args.rungs.split(",") if r) or None
+    result = run_ladder(cfg, str(work), rungs=rungs, log=lambda m: print(m, flush=True))
+    result["commit"] = args.commit
+    result["wall_s"] = time.perf_counter() - t0
+    md = table_markdown(result)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / f"{args.name}.md").write_text(
+        f"# Ladder on {result['gpu']} (torch {result['torch']}, batch {result['batch_size']}, "
+        f"commit {args.commit or 'unknown'}, {result['date']})\n\n{md}\n"
+    )
+    with tarfile.open(out / f"{args.name}.traces.tar.gz", "w:gz") as tar:
+        for row in result["rungs"]:
+            if row.get("trace"):
+                tar.add(work / row["trace"], arcname=row["trace"])
+    print(md)
+    print(f"wall {result['wall_s']:.0f} s; results in {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The ladder's workload: variable-length clock-time windows over the Parquet feature store.
+
+Synthetic order-book days (tasks.synthetic) -> features (tasks.features) -> one Parquet
+file per (product, date) -> read back. A window is every event of the last `window_s`
+seconds before its anchor, capped at `max_len` events, so event counts differ from
+window to window (from a handful in a quiet regime to the cap in a busy one).
+
+Batches are built on the host each step from the feature matrix read from the store,
+in one of two layouts:
+  padded  x [B, T, F], mask [B, T], y [B, L]     (T = max_len, windows right-aligned)
+  packed  x [R, T, F], pos [R, T], seg [R, T], last [B], count [B], y [B, L]
+          (windows first-fit-decreasing into R rows of T events; R is the most rows any
+          step of the run needs, so the shape is static and CUDA graphs still apply)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from profiling.config import LadderConfig
+from tasks import storage
+from tasks.features import FeatureParams, compute_features, feature_set
+from tasks.synthetic import SyntheticConfig, generate_day
+from tasks.training import Normalizer, column_matrix
+
+START_DATE = dt.date(2026, 3, 2)
+STORE_PATH = "{root}/features/product={product}/date={date}.parquet"
+
+
+# ---------------------------------------------------------------- the feature store
+
+
+def write_store(cfg: LadderConfig, root: str) -> list[str]:
+    """Generate `cfg.n_days` synthetic days, compute features, write one Parquet file each."""
+    synth = SyntheticConfig(seed=cfg.seed, events_per_day=cfg.events_per_day)
+    params = FeatureParams()
+    urls = []
+    for i in range(cfg.n_days):
+        date = START_DATE + dt.timedelta(days=i)
+        url = STORE_PATH.format(root=root, product=cfg.product, date=date.isoformat())
+        if not storage.exists(url):  # written atomically: existing means complete
+            book = generate_day(cfg.product, date, synth)
+            storage.write_parquet_atomic(url, compute_features(book, params))
+        urls.append(url)
+    return urls
+
+
+def clock_window_starts(time: np.ndarray, window_s: float, max_len: int) -> np.ndarray:
+    """First row of each row's window: events with time in (t - window_s, t], <= max_len."""
+    rows = np.arange(len(time))
+    start = np.searchsorted(time, time - window_s, side="right")
+    return np.maximum(start, rows - (max_len - 1)).astype(np.int64)
+
+
+# ---------------------------------------------------------------- the dataset
+
+
+@dataclass(kw_only=True, slots=True)
+class Windows:
+    """Windows as [start, end] row ranges (inclusive) into Workload.features."""
+
+    start: np.ndarray  # [N] int64
+    end: np.ndarray  # [N] int64, the anchor row
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.end - self.start + 1
+
+    def __len__(self) -> int:
+        return len(self.end)
+
+
+@dataclass(kw_only=True, slots=True)
+class Workload:
+    features: np.ndarray  # [rows + 1, F] float32 standardized; last row zeros (padding)
+    train: Windows  # training windows
+    labels: np.ndarray  # [N, L] float32 standardized labels of the training windows
+    order: np.ndarray  # [steps, B] training window per step and slot (fixed by the seed)
+    test: Windows  # one window per event of the held-out day
+    test_table: pa.Table  # the held-out day's feature table (for the replay simulation)
+    threshold: Windows  # a subsample of training events: the trade threshold's quantile
+    normalizer: Normalizer
+    inputs: list[str]
+    label_names: list[str]
+    max_len: int
+    pack_row: np.ndarray  # [steps, B] row of each window when the step's batch is packed
+    pack_off: np.ndarray  # [steps, B] its first position in that row
+    pack_rows: int  # R: rows of max_len events that hold any step's batch, packed
+
+    @property
+    def pad_row(self) -> int:
+        return len(self.features) - 1
+
+    @property
+    def n_features(self) -> int:
+        return self.features.shape[1]
+
+
+def _finite_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x = x.astype(np.float64)
+    ok = np.isfinite(x)
+    n = np.maximum(ok.sum(0), 1)
+    mean = np.where(ok, x, 0.0).sum(0) / n
+    std = np.sqrt((np.where(ok, x - mean, 0.0) ** 2).sum(0) / n)
+    return mean, np.where(std > 1e-12, std, 1.0)
+
+
+def build_workload(cfg: LadderConfig, root: str) -> Workload:
+    """Write (or reuse) the store under `root`, read it back, cut windows, fix the order."""
+    tables = [storage.read_parquet(url) for url in write_store(cfg, root)]
+    layout = feature_set(FeatureParams())
+    inputs, label_names = layout.inputs, layout.labels
+    train_tables, test_table = tables[:-1], tables[-1]
+
+    feats, starts, ends, ys, thr_s, thr_e = [], [], [], [], [], []
+    offset = 0
+    for table in train_tables:  # one iteration per day
+        x, y = column_matrix(table, inputs), column_matrix(table, label_names)
+        start = clock_window_starts(
+            table.column("time").to_numpy().astype(np.float64), cfg.window_s, cfg.max_len
+        )
+        anchors = np.arange(0, table.num_rows, cfg.stride)
+        anchors = anchors[np.isfinite(y[anchors]).all(axis=1)]
+        starts.append(start[anchors] + offset)
+        ends.append(anchors + offset)
+        ys.append(y[anchors])
+        every = np.arange(0, table.num_rows, cfg.threshold_stride)
+        thr_s.append(start[every] + offset)
+        thr_e.append(every + offset)
+        feats.append(x)
+        offset += table.num_rows
+    x_test = column_matrix(test_table, inputs)
+    test_start = clock_window_starts(
+        test_table.column("time").to_numpy().astype(np.float64), cfg.window_s, cfg.max_len
+    )
+    feats.append(x_test)
+
+    raw = np.concatenate(feats)
+    labels = np.concatenate(ys)
+    input_mean, input_std = _finite_stats(raw[:offset])  # training rows only
+    label_mean, label_std = _finite_stats(labels)
+    normalizer = Normalizer(
+        input_mean=input_mean, input_std=input_std, label_mean=label_mean, label_std=label_std
+    )
+    features = np.concatenate(
+        [normalizer.apply_inputs(raw), np.zeros((1, len(inputs)), np.float32)]
+    )
+    train = Windows(start=np.concatenate(starts), end=np.concatenate(ends))
+    rng = np.random.default_rng(cfg.seed)
+    need = cfg.steps * cfg.batch_size
+    order = np.concatenate([rng.permutation(len(train)) for _ in range(-(-need // len(train)))])
+    order = order[:need].reshape(cfg.steps, cfg.batch_size)
+    # the packing plan is the sampler's: fixed with the order, before training starts
+    plans = [pack_plan(train.lengths[b], cfg.max_len) for b in order]
+    pack_row = np.stack([row for row, _ in plans])
+    return Workload(
+        features=features,
+        train=train,
+        labels=normalizer.scale_labels(labels),
+        order=order,
+        test=Windows(start=test_start + offset, end=np.arange(len(x_test)) + offset),
+        test_table=test_table,
+        threshold=Windows(start=np.concatenate(thr_s), end=np.concatenate(thr_e)),
+        normalizer=normalizer,
+        inputs=list(inputs),
+        label_names=list(label_names),
+        max_len=cfg.max_len,
+        pack_row=pack_row,
+        pack_off=np.stack([off for _, off in plans]),
+        pack_rows=int(pack_row.max()) + 1,
+    )
+
+
+# ---------------------------------------------------------------- padded batches
+
+
+def padded_index(
+    w: Windows, which: np.ndarray, T: int, pad_row: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """idx [B, T] into the feature matrix (pad_row on padding), mask [B, T]; right-aligned."""
+    rows = w.end[which, None] + np.arange(1 - T, 1)[None, :]
+    mask = rows >= w.start[which, None]
+    return np.where(mask, rows, pad_row), mask
+
+
+def padded_batch(work: Workload, step: int, out: dict[str, np.ndarray] | None = None) -> dict:
+    """The step's padded batch, freshly gathered from the feature matrix (or into `out`)."""
+    which = work.order[step]
+    idx, mask = padded_index(work.train, which, work.max_len, work.pad_row)
+    if out is None:
+        return {"x": work.features[idx], "mask": mask, "y": work.labels[which]}
+    np.take(work.features, idx, axis=0, out=out["x"])
+    out["mask"][...] = mask
+    np.take(work.labels, which, axis=0, out=out["y"])
+    return out
+
+
+def padded_spec(work: Workload, batch_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    B, T, F, L = batch_size, work.max_len, work.n_features, work.labels.shape[1]
+    return {"x": ((B, T, F), "float32"), "mask": ((B, T), "bool"), "y": ((B, L), "float32")}
+
+
+# ---------------------------------------------------------------- packed batches
+
+
+def pack_plan(lengths: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """First-fit decreasing: (row, offset) of each window in rows of T events."""
+    row, off = np.empty(len(lengths), np.int64), np.empty(len(lengths), np.int64)
+    free = np.zeros(0, np.int64)  # events used per open row
+    for i in np.argsort(-lengths, kind="stable"):  # one iteration per window of one batch
+        fits = np.flatnonzero(free + lengths[i] <= T)
+        r = int(fits[0]) if len(fits) else len(free)
+        if r == len(free):
+            free = np.append(free, 0)
+        row[i], off[i] = r, free[r]
+        free[r] += lengths[i]
+    return row, off
+
+
+def packed_batch(work: Workload, step: int, out: dict[str, np.ndarray] | None = None) -> dict:
+    """The step's windows packed into [R, T] rows, same windows and order as padded_batch.
+
+    seg = slot of the window in the batch (B on padding), pos = events before the window's
+    anchor (the model's positional index), last = flat index of each anchor, count = length.
+    """
+    which = work.order[step]
+    B, T, R = len(which), work.max_len, work.pack_rows
+    lengths = work.train.lengths[which]
+    row, off = work.pack_row[step], work.pack_off[step]
+    # token k of window b sits at flat index row*T + off + k and reads feature row start + k
+    slot = np.repeat(np.arange(B), lengths)
+    k = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    flat = row[slot] * T + off[slot] + k
+    src = np.full(R * T, work.pad_row, np.int64)
+    src[flat] = work.train.start[which][slot] + k
+    seg = np.full(R * T, B, np.int64)
+    seg[flat] = slot
+    pos = np.zeros(R * T, np.int64)
+    pos[flat] = lengths[slot] - 1 - k
+    fields = {
+        "seg": seg.reshape(R, T),
+        "pos": pos.reshape(R, T),
+        "last": row * T + off + lengths - 1,
+        "count": lengths.astype(np.float32),
+    }
+    if out is None:
+        return {"x": work.features[src].reshape(R, T, -1), **fields, "y": work.labels[which]}
+    np.take(work.features, src, axis=0, out=out["x"].reshape(R * T, -1))
+    for name, value in fields.items():
+        out[name][...] = value
+    np.take(work.labels, which, axis=0, out=out["y"])
+    return out
+
+
+def packed_spec(work: Workload, batch_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    B, T, R, F, L = batch_size, work.max_len, work.pack_rows, work.n_features, work.labels.shape[1]
+    return {
+        "x": ((R, T, F), "float32"),
+        "seg": ((R, T), "int64"),
+        "pos": ((R, T), "int64"),
+        "last": ((B,), "int64"),
+        "count": ((B,), "float32"),
+        "y": ((B, L), "float32"),
+    }

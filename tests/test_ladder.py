@@ -1,0 +1,206 @@
+"""The optimization ladder on a CPU: its logic, its equivalence checks, its flow.
+
+CUDA-only rungs (the Triton kernel, streams, CUDA graphs) are skipped here with their
+reason; their torch reference paths are tested directly. The H200 figures come from
+bench/ladder.py on the device (bench/results/ladder-h200.json).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+
+from models.orderbook import OrderBookNet
+from profiling import measure
+from profiling.config import BF16, LadderConfig, Tolerance, cpu_tiny, preset
+from profiling.equivalence import compare, markout_delta, rel_l2, step0_deviation
+from profiling.kernels import CHUNK, FusedAdamW
+from profiling.ladder import RUNGS, Switches, model_config
+from profiling.packing import PackedNet
+from profiling.streams import Layout
+from profiling.workload import build_workload, pack_plan, packed_batch, padded_batch
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return build_workload(cpu_tiny(), str(tmp_path_factory.mktemp("store")))
+
+
+def test_config_names_the_bad_field():
+    with pytest.raises(ValueError, match="batch_size"):
+        LadderConfig(batch_size=0)
+    with pytest.raises(ValueError, match="compile_backend"):
+        LadderConfig(compile_backend="nope")
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("h100")
+    with pytest.raises(ValueError, match="pred_rel_l2"):
+        Tolerance(step0_rel=1, loss_rel=1, pred_rel_l2=0, markout_bps=1)
+
+
+def test_windows_vary_in_length_and_packing_keeps_every_event(work):
+    lengths = work.train.lengths
+    assert lengths.min() >= 1 and lengths.max() <= work.max_len and len(set(lengths)) > 5
+    row, off = pack_plan(lengths[work.order[0]], work.max_len)
+    end = off + lengths[work.order[0]]
+    assert end.max() <= work.max_len
+    for r in set(row):  # windows in one row never overlap
+        spans = sorted(zip(off[row == r], end[row == r], strict=True))
+        assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:], strict=False))
+    b = packed_batch(work, 0)
+    B = len(work.order[0])
+    assert (b["seg"] < B).sum() == lengths[work.order[0]].sum()  # every real event, once
+
+
+def test_packed_forward_is_the_padded_forward(work):
+    torch.manual_seed(0)
+    model = OrderBookNet(model_config(cpu_tiny(), work)).double()
+    a, b = padded_batch(work, 3), packed_batch(work, 3)
+    want = model(torch.from_numpy(a["x"]).double(), torch.from_numpy(a["mask"]))
+    got = PackedNet(model)(
+        torch.from_numpy(b["x"]).double(),
+        *(torch.from_numpy(b[k]) for k in ("pos", "seg", "last", "count")),
+    )
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_adamw_reference_is_torch_adamw_and_foreach_norm():
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(7, 33), torch.nn.LayerNorm(33), torch.nn.Linear(33, 2)
+    )
+    twin = torch.nn.Sequential(
+        torch.nn.Linear(7, 33), torch.nn.LayerNorm(33), torch.nn.Linear(33, 2)
+    )
+    twin.load_state_dict(net.state_dict())
+    fused = FusedAdamW(net, lr=1e-2, weight_decay=0.1, use_triton=False)
+    ring = torch.full((2, fused.n_chunks), math.nan)
+    fused.log_into(ring, torch.tensor([1]), 0)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    assert fused.n_chunks == sum(-(-p.numel() // CHUNK) for p in net.parameters())
+    for _ in range(4):  # fresh random data each step
+        x = torch.randn(16, 7)
+        for model, opt in ((net, fused), (twin, ref)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+        want = torch.stack(torch._foreach_norm([p.grad for p in twin.parameters()]))
+        fused.step()
+        ref.step()
+        starts = np.flatnonzero(np.diff(fused.chunk_owner, prepend=-1))
+        got = np.sqrt(np.add.reduceat(ring[1].numpy(), starts))
+        assert np.allclose(got, want.numpy(), rtol=1e-5)
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
+        assert p.data_ptr() != q.data_ptr()
+
+
+def test_equivalence_reports_failures_not_hides_them():
+    tol = Tolerance(step0_rel=1e-4, loss_rel=1e-3, pred_rel_l2=1e-2, markout_bps=0.1)
+    base = dict(base_loss_curve=np.array([1.0, 0.9]), base_pred=np.ones((4, 3)),
+                base_markout_bps={"1s": -0.5, "5s": math.nan}, tolerance=tol)  # fmt: skip
+    ok = compare(loss_curve=np.array([1.0, 0.9001]), pred=np.ones((4, 3)) * 1.001,
+                 markout_bps={"1s": -0.45, "5s": math.nan}, **base)  # fmt: skip
+    assert ok.equivalent and ok.failures == ()
+    bad = compare(step0=1e-3, loss_curve=np.array([1.0, 0.95]), pred=np.ones((4, 3)) * 1.1,
+                  markout_bps={"1s": -0.2, "5s": 0.3}, **base)  # fmt: skip
+    assert not bad.equivalent
+    assert [f.split()[0] for f in bad.failures] == [
+        "step0_rel", "loss_max_rel_dev", "pred_rel_l2", "markout_delta_bps",
+    ]  # fmt: skip
+    assert rel_l2(np.array([np.nan]), np.array([1.0])) == math.inf
+    assert markout_delta({"1s": math.nan}, {"1s": 1.0}) == math.inf
+    assert step0_deviation(1.0, 1.0, np.array([2.0, 2.0]), np.array([2.0, 2.0])) == 0.0
+    assert BF16.pred_rel_l2 > 1e-2  # bf16 looser than fp32
+
+
+def test_layout_views_share_one_buffer():
+    layout = Layout({"x": ((2, 3), "float32"), "m": ((5,), "bool"), "i": ((2,), "int64")})
+    assert layout.nbytes % 64 == 0
+    buf = np.zeros(layout.nbytes, np.uint8)
+    views = layout.numpy_views(buf)
+    views["x"][...] = 1.5
+    views["i"][...] = [3, 4]
+    t = layout.torch_views(torch.from_numpy(buf))
+    assert t["x"].dtype == torch.float32 and t["x"].sum() == 9.0 and t["i"].tolist() == [3, 4]
+
+
+def test_trace_counts_only_the_training_thread_inside_steps(tmp_path):
+    def x(cat: str, name: str, tid: int, ts: float, dur: float = 1) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur}
+
+    rt = "cuda_runtime"
+    ev = [
+        x("user_annotation", measure.STEP_LABEL, 1, 0, 10),
+        x("user_annotation", measure.STEP_LABEL, 1, 20, 10),
+        x(rt, "cudaLaunchKernel", 1, 1),
+        x("cuda_driver", "cuLaunchKernelEx", 1, 21),
+        x(rt, "cudaGraphLaunch", 1, 22),
+        x(rt, "cudaStreamSynchronize", 1, 25),
+        x(rt, "cudaEventSynchronize", 9, 5),  # another thread: not the training loop's
+        x(rt, "cudaDeviceSynchronize", 1, 40),  # outside the steps
+        x("kernel", "k", 7, 2, 5),
+        x("kernel", "k", 7, 4, 4),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    c = measure.count_trace(str(path), steps=2)
+    assert (c.launches, c.syncs, c.gpu_kernels) == (1.5, 0.5, 1.0)
+    assert c.gpu_busy == pytest.approx(6 / 30)
+
+
+def test_switches_are_cumulative_and_skip_what_the_cpu_cannot_run():
+    cpu = {r.switch for r in RUNGS if not r.cuda_only}
+    top = Switches.upto(8, cpu)
+    assert top.compile and top.bf16 and top.device_metrics and top.packing
+    assert not (top.fused_kernel or top.streams or top.cudagraph)
+    assert Switches.upto(1, cpu) == Switches()
+
+
+@pytest.mark.slow
+def test_ladder_flow_on_cpu(prefect_api, tmp_path):
+    from flows.ladder import LadderParams, ladder
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    params = LadderParams(
+        workspace={"home": str(tmp_path / "home"), "tracking_uri": uri, "experiment": "ladder"},
+        preset="cpu_tiny",
+        out_dir=str(tmp_path / "out"),
+    )
+    result = ladder(params)
+    rungs = {r["name"]: r for r in result["rungs"]}
+    assert [r["number"] for r in result["rungs"]] == list(range(1, 9))
+    for name in ("fused_kernel", "streams", "cuda_graph"):
+        assert rungs[name]["skipped"].startswith("skipped: no CUDA device")
+    ran = [r for r in result["rungs"] if not r["skipped"]]
+    assert [r["name"] for r in ran] == [
+        "baseline",
+        "compile",
+        "bf16_tf32",
+        "device_metrics",
+        "no_padding",
+    ]
+    assert all(r["equivalent"] for r in ran), [r["failures"] for r in ran]
+    assert rungs["compile"]["step0_rel"] < 1e-6  # same float32 arithmetic, traced
+    # on-device metrics record exactly what the .item() loop recorded
+    assert rungs["device_metrics"]["loss_curve"] == rungs["bf16_tf32"]["loss_curve"]
+    assert set(result["controls"]) == {"fp32", "bf16", "other_seed"}
+    report = (tmp_path / "out" / "ladder.md").read_text()
+    assert "| 8. no_padding |" in report and "skipped: no CUDA device" in report
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("ladder")
+    runs = client.search_runs([exp.experiment_id])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == result["mlflow_run_id"]]
+    assert len(children) == 8
+    by_name = {r.data.tags["mlflow.runName"]: r for r in children}
+    assert by_name["rung6-streams"].data.tags["skipped"].startswith("skipped")
+    base = by_name["rung1-baseline"]
+    assert base.data.metrics["samples_per_s"] > 0 and base.data.metrics["equivalent"] == 1.0
+    arts = {a.path for a in client.list_artifacts(base.info.run_id)}
+    assert {"equivalence.png", "equivalence.json", "trace"} <= arts
+    parent_arts = {a.path for a in client.list_artifacts(result["mlflow_run_id"])}
+    assert {"throughput.png", "ladder.md"} <= parent_arts
