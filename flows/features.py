@@ -49,6 +49,9 @@ class FeatureOutput:
         return storage.read_table(self.blob)
 
 
+PROGRESS_EVERY_S = 5.0
+
+
 class NodeFailures(RuntimeError):
     """Some nodes failed; their partitions and errors are listed, the rest are cached."""
 
@@ -64,14 +67,15 @@ def feature_shard(
     shard: str,
     index: pa.Table | None = None,
 ) -> RunResult:
-    # Progress the researcher sees in the Prefect UI, updated at most once a second.
+    # Progress the researcher sees in the Prefect UI; each update is an API call that
+    # costs the server CPU, so a shard sends one every few seconds.
     artifact = create_progress_artifact(0.0, description=f"feature nodes of shard {shard}")
     last = [0.0]
 
     def report(done: int, total: int) -> None:
         progress.report(f"features {shard}", done, total)
         now = time.monotonic()
-        if done == total or now - last[0] >= 1.0:
+        if done == total or now - last[0] >= PROGRESS_EVERY_S:
             last[0] = now
             update_progress_artifact(artifact, 100.0 * done / max(total, 1))
 
@@ -174,7 +178,7 @@ def features(
             for i, shard_nodes in enumerate(shards(nodes, shard_size))
         ]  # fmt: skip
         results = [f.result() for f in futures]
-    store.compact(kind.name)
+    store.compact(kind.name, min_segments=256)
     manifest = (
         pa.concat_tables([r.manifest for r in results])
         if results

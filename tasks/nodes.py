@@ -125,11 +125,16 @@ class Node:
 
 @dataclass(frozen=True, slots=True)
 class NodeKind:
-    """How to compute a kind of node: compute(input table, params dict) -> output table."""
+    """How to compute a kind of node: compute(input table, params) -> output table.
+
+    prepare(params dict) -> params as compute takes them, called once per batch and
+    parameter set (parsing and validating per node would cost more than a small node).
+    """
 
     name: str
-    compute: Callable[[pa.Table, dict], pa.Table]
+    compute: Callable[[pa.Table, Any], pa.Table]
     code: str
+    prepare: Callable[[dict], Any] | None = None
 
 
 def output_blob(row: Mapping[str, Any]) -> storage.Blob:
@@ -269,6 +274,8 @@ def run_batch(
     outputs stay in storage, never travel to the driver."""
     store = NodeStore(store_root)
     reader = storage.BlobReader()
+    if kind.prepare is not None:
+        params = {digest: kind.prepare(values) for digest, values in params.items()}
     pack = storage.PackWriter(store.pack_url(kind.name))
     out_cols: dict[str, list] = {
         k: []

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from tasks.catalog import Entry
-from tasks.features import FeatureParams, feature_set, features_node
+from tasks.features import FeatureParams, compute_features, feature_set
 from tasks.nodes import Node, NodeKind, code_fingerprint, sha256_json
 
 
@@ -15,8 +15,9 @@ def feature_kind() -> NodeKind:
     """The feature node kind; its code fingerprint is the whole features module."""
     return NodeKind(
         name="features",
-        compute=features_node,
-        code=code_fingerprint(sys.modules[features_node.__module__]),
+        compute=compute_features,
+        code=code_fingerprint(sys.modules[compute_features.__module__]),
+        prepare=FeatureParams.from_dict,
     )
 
 

@@ -116,7 +116,7 @@ def test_changed_code_and_input_are_explained(landed):
     catalog, store = landed
     kind, nodes, params = plan(catalog)
     run_nodes(kind, params, nodes, store)
-    edited = NodeKind(kind.name, kind.compute, code="edited-source")
+    edited = NodeKind(kind.name, kind.compute, code="edited-source", prepare=kind.prepare)
     _, nodes, params = plan(catalog, kind=edited)
     result = run_nodes(edited, params, nodes, store)
     assert result.computed == 4
