@@ -85,7 +85,8 @@ def one_node(kind, params: dict, node, root: str) -> float:
 
     t0 = time.perf_counter()
     table = storage.read_table(node.input)
-    out = kind.compute(table, params[node.params])
+    values = params[node.params]
+    out = kind.compute(table, kind.prepare(values) if kind.prepare else values)
     url = storage.join(root, "single", kind.name, node.key[:2], f"{node.key}.arrows")
     storage.write_bytes_atomic(url, storage.arrow_bytes(out))
     return time.perf_counter() - t0

@@ -116,13 +116,17 @@ def save_params(root: str, by_digest: Mapping[str, dict]) -> None:
             storage.write_bytes_atomic(url, json.dumps(values, sort_keys=True).encode())
 
 
-def save_manifest(root: str, kind: str, manifest: pa.Table) -> str:
-    """The run's node records, beside the outputs: what `quantloop nodes` queries."""
+def save_manifest(root: str, kind: str, manifest: pa.Table) -> tuple[str, bytes]:
+    """The run's node records, beside the outputs: what `quantloop nodes` queries.
+
+    Returns the URL and the Parquet bytes (serialized once, also MLflow's artifact).
+    """
     run_id = flow_run.id or uuid.uuid4().hex
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
     url = storage.join(root, "manifests", kind, f"{stamp}-{run_id}.parquet")
-    storage.write_parquet_atomic(url, manifest)
-    return url
+    data = storage.parquet_bytes(manifest)
+    storage.write_bytes_atomic(url, data)
+    return url, data
 
 
 def plan(
@@ -205,10 +209,12 @@ def features(
         logger.info(
             "recomputed because: %s", ", ".join(f"{k} changed: {v}" for k, v in reasons.items())
         )
-    result_url = save_manifest(site.root, kind.name, manifest)
-    logger.info("node manifest: %s", result_url)
+    manifest_url, manifest_bytes = save_manifest(site.root, kind.name, manifest)
+    logger.info("node manifest: %s", manifest_url)
     if parent_run_id is not None:
-        run_id = record(workspace, parent_run_id, kind, by_digest, site.name, result)
+        run_id = record(
+            workspace, parent_run_id, kind, by_digest, site.name, result, manifest_bytes
+        )
         result = dataclasses.replace(result, mlflow_run_id=run_id)
     if result.failed:
         lines = "\n  ".join(result.failures[:20])
@@ -226,6 +232,7 @@ def record(
     params: Mapping[str, dict],
     site: str,
     result: RunResult,
+    manifest_bytes: bytes,
 ) -> str:
     """One MLflow child run for the stage: summary metrics and the manifest, no per-node call."""
     m = result.manifest
@@ -250,7 +257,7 @@ def record(
                 **{f"recomputed.{k}": v for k, v in why_recomputed(m).items()},
             }
         )
-        run.table(m, "features_manifest.parquet", "manifest")
+        run.file(manifest_bytes, "features_manifest.parquet", "manifest")
         return run.run_id
 
 

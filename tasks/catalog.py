@@ -16,6 +16,7 @@ import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 
@@ -47,9 +48,12 @@ def _day(cache: dict[str, dt.date], text: str) -> dt.date:
     return cache[text]
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One catalog row: the current version of a partition."""
+class Entry(NamedTuple):
+    """One catalog row: the current version of a partition.
+
+    A NamedTuple, not a dataclass: a 10^5-partition plan builds one per row, and a
+    tuple is built several times faster.
+    """
 
     dataset: str
     partition: Partition

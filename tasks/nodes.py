@@ -102,6 +102,9 @@ def code_fingerprint(*objects: Callable | ModuleType) -> str:
     return h.hexdigest()
 
 
+_KEY_PREFIXES: dict[tuple[str, str, str], Any] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class Node:
     """One node: a kind applied to one version of an input partition."""
@@ -114,8 +117,17 @@ class Node:
     key: str = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Computed once: a 100,000-node plan asks for every key several times.
-        key = hashlib.sha256(f"{self.kind}|{self.code}|{self.params}|{self.input.digest}".encode())
+        # Computed once (a 100,000-node plan asks for every key several times), from a
+        # hash state of "kind|code|params|" shared by all nodes with those three:
+        # sha256 streams, so this equals sha256(f"{kind}|{code}|{params}|{input digest}").
+        prefix = (self.kind, self.code, self.params)
+        state = _KEY_PREFIXES.get(prefix)
+        if state is None:
+            state = _KEY_PREFIXES.setdefault(
+                prefix, hashlib.sha256("|".join(prefix + ("",)).encode())
+            )
+        key = state.copy()
+        key.update(self.input.digest.encode())
         object.__setattr__(self, "key", key.hexdigest())
 
     @property

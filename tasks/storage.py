@@ -22,6 +22,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 TMP_MARK = ".tmp-"  # temporary files carry this in their name; readers skip them
 PARQUET_MAGIC = b"PAR1"
+_IPC_OPTIONS = ipc.IpcWriteOptions()
+_IPC_READ_OPTIONS = ipc.IpcReadOptions()
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +150,8 @@ def list_files(url: str, suffix: str = "") -> list[str]:
 def arrow_bytes(table: pa.Table) -> bytes:
     """One table as an Arrow IPC stream: the blob format of packs (fast for small tables)."""
     sink = pa.BufferOutputStream()
-    with ipc.new_stream(sink, table.schema) as writer:
+    # Explicit options: the default reads environment variables on every call.
+    with ipc.new_stream(sink, table.schema, options=_IPC_OPTIONS) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
 
@@ -157,7 +160,7 @@ def decode_table(data: bytes) -> pa.Table:
     """A table from Parquet bytes or an Arrow IPC stream (told apart by Parquet's magic)."""
     if data[:4] == PARQUET_MAGIC:
         return pq.read_table(pa.BufferReader(data))
-    return ipc.open_stream(pa.BufferReader(data)).read_all()
+    return ipc.open_stream(pa.BufferReader(data), options=_IPC_READ_OPTIONS).read_all()
 
 
 def read_range(url: str, offset: int, length: int) -> bytes:

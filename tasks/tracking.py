@@ -81,10 +81,14 @@ class RunLog:
 
     def table(self, table: pa.Table, name: str, artifact_path: str | None = None) -> None:
         """Log an Arrow table as a Parquet artifact."""
+        self.file(storage.parquet_bytes(table), name, artifact_path)
+
+    def file(self, data: bytes, name: str, artifact_path: str | None = None) -> None:
+        """Log bytes as an artifact file called `name`."""
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, name)
             with open(path, "wb") as f:
-                f.write(storage.parquet_bytes(table))
+                f.write(data)
             self.artifact(path, artifact_path)
 
     def figure(self, fig: Any, name: str) -> None:
