@@ -140,7 +140,16 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fanout.json")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="only print the markdown table of an existing results file",
+    )
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return
 
     from tests.servers import prefect_server  # the same launcher the tests use
 
@@ -272,14 +281,7 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
 
 def report(args, results: dict) -> None:
     a = results["a_cold"]
-    rows = [
-        ("(a) engine, cold", "a_cold"),
-        ("(b) engine, no-op re-run", "b_noop"),
-        ("(c) engine, one product changed", "c_one_product"),
-        ("(d) raw Dask, task per node", "d_raw_dask"),
-        ("(e) Prefect task per node, threads", "e_prefect_threads"),
-        ("(f) Prefect task per node, DaskTaskRunner", "f_prefect_dask"),
-    ]
+    rows = ROWS
     print()
     print(f"{'run':44} {'nodes':>8} {'computed':>9} {'wall s':>8} {'nodes/s':>9} "
           f"{'peak RSS MB':>12} {'(a)/this':>9}")  # fmt: skip
@@ -321,7 +323,49 @@ def report(args, results: dict) -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    print(f"\nwritten to {args.out}")
+    args.out.with_suffix(".md").write_text(markdown(summary))
+    print(f"\nwritten to {args.out} and {args.out.with_suffix('.md')}")
+
+
+ROWS = [
+    ("(a) engine, cold", "a_cold"),
+    ("(b) engine, no-op re-run", "b_noop"),
+    ("(c) engine, one product changed", "c_one_product"),
+    ("(d) raw Dask, one task per node", "d_raw_dask"),
+    ("(e) Prefect task per node, thread runner", "e_prefect_threads"),
+    ("(f) Prefect task per node, DaskTaskRunner", "f_prefect_dask"),
+]
+
+
+def markdown(summary: dict) -> str:
+    """The results as a markdown table, with the machine, date and commit."""
+    runs = summary["runs"]
+    a = runs["a_cold"]
+    lines = [
+        f"Machine: {summary['machine']}; {summary['workers']} Dask workers; "
+        f"{summary['date']}; commit {summary['commit']}.",
+        "",
+        "| run | nodes | computed | wall s | nodes/s | peak RSS MB | (a) nodes/s ÷ this |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, key in ROWS:
+        r = runs[key]
+        lines.append(
+            f"| {label} | {r['nodes']:,} | {r.get('computed', r['nodes']):,} | "
+            f"{r['wall_s']:.2f} | {r['nodes_per_s']:,.0f} | {r['peak_rss_mb']:,.0f} | "
+            f"{a['nodes_per_s'] / r['nodes_per_s']:.1f} |"
+        )
+    lines += [
+        "",
+        f"(d), (e) and (f) ran on samples of {runs['d_raw_dask']['nodes']:,}, "
+        f"{runs['e_prefect_threads']['nodes']:,} and {runs['f_prefect_dask']['nodes']:,} nodes; "
+        "their nodes/s is the sample's rate. Scheduling efficiency of (a) (node compute "
+        f"seconds / workers / wall seconds): {summary['efficiency']:.2f}; the engine chose "
+        f"{a['batch_size']:,} nodes per Dask task. Peak RSS is the whole process tree "
+        "(driver, Dask scheduler and workers, Prefect server).",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
