@@ -108,6 +108,11 @@ def why_recomputed(manifest: pa.Table) -> dict[str, int]:
     return {c["values"]: c["counts"] for c in counts}
 
 
+def all_cached(nodes: Sequence[Node], index: pa.Table) -> bool:
+    keys = pa.array([n.key for n in nodes], pa.string())
+    return bool(pc.all(pc.is_in(keys, value_set=index["key"])).as_py()) if nodes else True
+
+
 def save_params(root: str, by_digest: Mapping[str, dict]) -> None:
     """Parameters by digest, so a node's lineage can show the values behind its hash."""
     for digest, values in by_digest.items():
@@ -160,27 +165,36 @@ def features(
     """
     t0 = time.perf_counter()
     logger = get_run_logger()
-    kind, nodes, by_digest = plan(workspace, selection, features, product_features)
+    entries = selection.entries(workspace.catalog())
+    kind = feature_kind()
+    per_product = product_params(
+        features, product_features or {}, sorted({e.partition.product for e in entries})
+    )
     site = workspace.resolve_site()
-    logger.info("%d feature nodes on site %s (%s)", len(nodes), site.name, site.root)
+    logger.info("%d feature nodes on site %s (%s)", len(entries), site.name, site.root)
+    _, by_digest = plan_feature_nodes([], per_product, kind)  # parameters by digest
     save_params(site.root, by_digest)
     store = NodeStore(site.root)
     index = store.index(kind.name)  # one read for every shard of the run
-    keys = pa.array([n.key for n in nodes], pa.string())
-    all_cached = pc.all(pc.is_in(keys, value_set=index["key"])).as_py() if nodes else True
-    # The cluster is started (or connected to) only if some node must be computed.
-    with contextlib.nullcontext(None) if all_cached else site.client() as client:
-        # Shards run side by side, so the cluster sees every batch at once and no
-        # worker idles at a shard's tail.
-        futures = [
-            # quote(): Prefect would otherwise walk every node of the shard to find
-            # task dependencies (seconds per 10,000 nodes).
-            feature_shard.submit(
-                quote(kind), quote(by_digest), quote(shard_nodes), site.root, site.name,
-                quote(client), f"{site.name}-{i}", quote(index),
-            )
-            for i, shard_nodes in enumerate(shards(nodes, shard_size))
-        ]  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        client = None
+        futures = []
+        # Shards are planned and submitted one after the other, so the workers start
+        # on the first while the rest are planned; they run side by side, so the
+        # cluster sees every batch at once and no worker idles at a shard's tail.
+        for i, shard_entries in enumerate(shards(entries, shard_size)):
+            nodes, _ = plan_feature_nodes(shard_entries, per_product, kind)
+            if client is None and not all_cached(nodes, index):
+                # The cluster is started (or connected to) only if a node must run.
+                client = stack.enter_context(site.client())
+            futures.append(
+                # quote(): Prefect would otherwise walk every node of the shard to find
+                # task dependencies (seconds per 10,000 nodes).
+                feature_shard.submit(
+                    quote(kind), quote(by_digest), quote(nodes), site.root, site.name,
+                    quote(client), f"{site.name}-{i}", quote(index),
+                )
+            )  # fmt: skip
         results = [f.result() for f in futures]
     store.compact(kind.name, min_segments=256)
     manifest = (
