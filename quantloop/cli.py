@@ -20,6 +20,9 @@ console = Console(stderr=True)
 @app.callback()
 def main() -> None:
     """quantloop: the research loop of a systematic trading desk, on Prefect, Dask and MLflow."""
+    # The embedded Prefect server would try to send usage telemetry on start-up and log
+    # an error on a machine without internet; an operator can still turn it back on.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 def _progress_sink(bar: Progress):
