@@ -150,10 +150,49 @@ def compute_features(book: pa.Table, params: FeatureParams) -> pa.Table:
 
     book: a table in `tasks.schema.book_schema(levels)`.
     """
-    rows = tradable_rows(book)
-    if rows is not None:
-        book = book.filter(pa.array(rows))
-    levels = levels_of(book.schema)
+    return compute_features_many([book], params)[0]
+
+
+def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(position of each row within its segment, its segment's length), per row."""
+    starts = np.cumsum(lengths) - lengths
+    pos = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+    return pos, np.repeat(lengths, lengths)
+
+
+def _rolling_per_segment(x: np.ndarray, window: int, lengths: np.ndarray) -> np.ndarray:
+    # One cumsum per segment: a cumsum across segments would round differently, and a
+    # node's output must not depend on which other nodes shared its batch.
+    out = np.empty_like(x)
+    start = 0
+    for n in lengths.tolist():
+        out[start : start + n] = rolling_sum(x[start : start + n], window)
+        start += n
+    return out
+
+
+def compute_features_many(books: list[pa.Table], params: FeatureParams) -> list[pa.Table]:
+    """compute_features of several partitions of one depth, in one vectorized pass.
+
+    Small partitions (a few dozen events) cost mostly per-call overhead, so the node
+    engine hands a whole batch here. Rows never mix across partitions: every lag,
+    lead and window stops at its partition's edge, and each partition's output is
+    bit for bit what it would be alone (tests/test_features.py checks it).
+    """
+    if not books:
+        return []
+    levels = {levels_of(b.schema) for b in books}
+    if len(levels) != 1:
+        raise ValueError(f"compute_features_many needs books of one depth, got levels {levels}")
+    kept = []
+    for b in books:
+        rows = tradable_rows(b)
+        kept.append(b if rows is None else b.filter(pa.array(rows)))
+    lengths = np.array([b.num_rows for b in kept], dtype=np.int64)
+    book = pa.concat_tables(kept) if len(kept) > 1 else kept[0]
+    (levels,) = levels
+    pos, seg_len = _segments(lengths)
+
     ask = _col(book, "ask_price_1").astype(np.float64) / PRICE_SCALE
     bid = _col(book, "bid_price_1").astype(np.float64) / PRICE_SCALE
     ask_size = _col(book, "ask_size_1").astype(np.float64)
@@ -163,7 +202,6 @@ def compute_features(book: pa.Table, params: FeatureParams) -> pa.Table:
     microprice = np.divide(
         ask * bid_size + bid * ask_size, touch_depth, out=mid.copy(), where=touch_depth > 0
     )
-
     cols: dict[str, np.ndarray] = {
         "time": _col(book, "time").astype(np.float64),
         "bid": bid,
@@ -176,22 +214,44 @@ def compute_features(book: pa.Table, params: FeatureParams) -> pa.Table:
     for k, imbalance in enumerate(depth_imbalances(book, params.imbalance_levels, levels), 1):
         cols[f"imbalance_{k}"] = imbalance
     ofi = order_flow_imbalance(bid, bid_size, ask, ask_size)
-    mean_depth = rolling_sum(touch_depth, params.ofi_window) / params.ofi_window
+    ofi[pos == 0] = 0.0  # a partition's first event has no previous book
+    mean_depth = _rolling_per_segment(touch_depth, params.ofi_window, lengths) / params.ofi_window
     cols["ofi"] = np.divide(
-        rolling_sum(ofi, params.ofi_window),
+        _rolling_per_segment(ofi, params.ofi_window, lengths),
         mean_depth,
         out=np.zeros_like(ofi),
         where=mean_depth > 0,
     )
     for k in params.return_lags:
-        cols[f"ret_{k}"] = lagged_diff_bps(mid, k)
-    step = lagged_diff_bps(mid, 1)
+        cols[f"ret_{k}"] = _lagged_diff_bps(mid, k, pos)
+    step = _lagged_diff_bps(mid, 1, pos)
     for w in params.vol_windows:
-        cols[f"rv_{w}"] = np.sqrt(rolling_sum(step**2, w))
+        cols[f"rv_{w}"] = np.sqrt(_rolling_per_segment(step**2, w, lengths))
     cols["log_depth"] = np.log1p(touch_depth)
     for h in params.label_horizons:
-        cols[f"label_{h}"] = future_move_bps(mid, h)
-    return pa.table(cols)
+        cols[f"label_{h}"] = _future_move_bps(mid, h, pos, seg_len)
+    out = pa.table(cols)
+    starts = (np.cumsum(lengths) - lengths).tolist()
+    return [out.slice(s, n) for s, n in zip(starts, lengths.tolist(), strict=True)]
+
+
+def _lagged_diff_bps(mid: np.ndarray, lag: int, pos: np.ndarray) -> np.ndarray:
+    """lagged_diff_bps within each segment: 0 where the lag reaches before its start."""
+    out = np.zeros_like(mid)
+    if lag < len(mid):
+        ok = pos[lag:] >= lag
+        out[lag:][ok] = np.log(mid[lag:][ok] / mid[:-lag][ok]) * 1e4
+    return out
+
+
+def _future_move_bps(mid: np.ndarray, horizon: int, pos: np.ndarray, seg_len: np.ndarray):
+    """future_move_bps within each segment: NaN where the horizon passes its end."""
+    out = np.full_like(mid, np.nan)
+    if horizon < len(mid):
+        ok = (pos + horizon < seg_len)[:-horizon]
+        a, b = mid[:-horizon][ok], mid[horizon:][ok]
+        out[:-horizon][ok] = (b - a) / a * 1e4
+    return out
 
 
 def features_node(book: pa.Table, params: dict) -> pa.Table:

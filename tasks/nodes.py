@@ -141,12 +141,16 @@ class NodeKind:
 
     prepare(params dict) -> params as compute takes them, called once per batch and
     parameter set (parsing and validating per node would cost more than a small node).
+    compute_many must give each node exactly what compute gives it alone.
     """
 
     name: str
     compute: Callable[[pa.Table, Any], pa.Table]
     code: str
     prepare: Callable[[dict], Any] | None = None
+    # compute_many(tables, params) -> outputs: the same results for many small
+    # inputs in one vectorized call, when the kind has one
+    compute_many: Callable[[list[pa.Table], Any], list[pa.Table]] | None = None
 
 
 def output_blob(row: Mapping[str, Any]) -> storage.Blob:
@@ -289,31 +293,33 @@ def run_batch(
     if kind.prepare is not None:
         params = {digest: kind.prepare(values) for digest, values in params.items()}
     pack = storage.PackWriter(store.pack_url(kind.name))
-    out_cols: dict[str, list] = {
-        k: []
-        for k in ("output_digest", "output_url", "output_offset", "output_length", "rows",
-                  "duration_s", "status", "error")
-    }  # fmt: skip
-    for node in nodes:
+    n = len(nodes)
+    seconds = [0.0] * n  # each node's own time: read, its share of compute, write
+    errors: list[str] = [""] * n
+    tables: list[pa.Table | None] = [None] * n
+    for i, node in enumerate(nodes):
         t0 = time.perf_counter()
         try:
-            table = reader.table(node.input)
-            out = kind.compute(table, params[node.params])
+            tables[i] = reader.table(node.input)
+        except Exception as exc:  # recorded per node; the caller reports every failure
+            errors[i] = f"{node.partition}: {type(exc).__name__}: {exc}"
+        seconds[i] += time.perf_counter() - t0
+    outputs = _compute(kind, params, nodes, tables, seconds, errors)
+    out_cols: dict[str, list] = {
+        k: [] for k in ("output_digest", "output_url", "output_offset", "output_length", "rows")
+    }
+    for i, out in enumerate(outputs):
+        t0 = time.perf_counter()
+        values: tuple = ("", "", 0, 0, 0)
+        if out is not None and not errors[i]:
             blob = pack.add(out)
             values = (blob.digest, blob.url, blob.offset, blob.length, out.num_rows)
-            status, error = "ok", ""
-        except Exception as exc:  # recorded per node; the caller reports every failure
-            values = ("", "", 0, 0, 0)
-            status, error = "failed", f"{node.partition}: {type(exc).__name__}: {exc}"
-        for name, v in zip(
-            ("output_digest", "output_url", "output_offset", "output_length", "rows"),
-            values,
-            strict=True,
-        ):
+        for name, v in zip(out_cols, values, strict=True):
             out_cols[name].append(v)
-        out_cols["duration_s"].append(time.perf_counter() - t0)
-        out_cols["status"].append(status)
-        out_cols["error"].append(error)
+        seconds[i] += time.perf_counter() - t0
+    out_cols["duration_s"] = seconds
+    out_cols["status"] = ["failed" if e else "ok" for e in errors]
+    out_cols["error"] = errors
     n = len(nodes)
     rows = pa.table(
         {
@@ -338,6 +344,50 @@ def run_batch(
             ),
         )
     return rows
+
+
+def _compute(
+    kind: NodeKind,
+    params: Mapping[str, Any],
+    nodes: Sequence[Node],
+    tables: list[pa.Table | None],
+    seconds: list[float],
+    errors: list[str],
+) -> list[pa.Table | None]:
+    """Outputs of the nodes whose input was read; failures go to `errors`.
+
+    With `kind.compute_many`, nodes of one parameter set and input layout are
+    computed in one call and each is charged an equal share of its time; if that
+    call fails, its nodes are computed one by one so only the bad ones fail.
+    """
+    outputs: list[pa.Table | None] = [None] * len(nodes)
+    singles: list[int] = []
+    if kind.compute_many is None:
+        singles = [i for i, t in enumerate(tables) if t is not None]
+    else:
+        groups: dict[tuple, list[int]] = {}
+        for i, (node, table) in enumerate(zip(nodes, tables, strict=True)):
+            if table is not None:
+                groups.setdefault((node.params, tuple(table.schema.names)), []).append(i)
+        for (digest, _), members in groups.items():
+            t0 = time.perf_counter()
+            try:
+                many = kind.compute_many([tables[i] for i in members], params[digest])
+            except Exception:
+                singles += members  # find which node it was
+                continue
+            share = (time.perf_counter() - t0) / len(members)
+            for i, out in zip(members, many, strict=True):
+                outputs[i] = out
+                seconds[i] += share
+    for i in singles:
+        t0 = time.perf_counter()
+        try:
+            outputs[i] = kind.compute(tables[i], params[nodes[i].params])
+        except Exception as exc:  # recorded per node; the caller reports every failure
+            errors[i] = f"{nodes[i].partition}: {type(exc).__name__}: {exc}"
+        seconds[i] += time.perf_counter() - t0
+    return outputs
 
 
 def batch_size(n: int, workers: int, node_s: float) -> int:

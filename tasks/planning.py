@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from tasks.catalog import Entry
-from tasks.features import FeatureParams, compute_features, feature_set
+from tasks.features import FeatureParams, compute_features, compute_features_many, feature_set
 from tasks.nodes import Node, NodeKind, code_fingerprint, sha256_json
 
 
@@ -18,6 +18,7 @@ def feature_kind() -> NodeKind:
         compute=compute_features,
         code=code_fingerprint(sys.modules[compute_features.__module__]),
         prepare=FeatureParams.from_dict,
+        compute_many=compute_features_many,
     )
 
 

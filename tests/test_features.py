@@ -93,3 +93,26 @@ def test_unknown_and_bad_parameters_name_the_field():
         FeatureParams.from_dict({"ofi_windw": 3})
     with pytest.raises(ValueError, match="label_horizons"):
         FeatureParams(label_horizons=(0,))
+
+
+def test_batched_partitions_are_bit_identical_to_single_ones():
+    """A node's output must not depend on which nodes shared its batch."""
+    from tasks import storage
+    from tasks.features import compute_features_many
+    from tests.books import random_book
+
+    params = FeatureParams(imbalance_levels=3, return_lags=(1, 5), vol_windows=(4, 50),
+                           ofi_window=7, label_horizons=(3, 40))  # fmt: skip
+    lengths = [60, 3, 1, 45, 200, 7, 60]  # some shorter than the lags, windows, horizons
+    books = [random_book(n, levels=2, seed=i) for i, n in enumerate(lengths)]
+    halted = books[4]["halted"].to_numpy(zero_copy_only=False).copy()
+    halted[10:20] = True  # a halt inside one partition: its rows are dropped
+    books[4] = books[4].set_column(books[4].schema.get_field_index("halted"), "halted",
+                                   pa.array(halted))  # fmt: skip
+    together = compute_features_many(books, params)
+    for book, out in zip(books, together, strict=True):
+        alone = compute_features(book, params)
+        assert storage.arrow_bytes(out) == storage.arrow_bytes(alone)
+    assert [t.num_rows for t in together] == [60, 3, 1, 45, 190, 7, 60]
+    with pytest.raises(ValueError, match="one depth"):
+        compute_features_many([random_book(10, levels=1), random_book(10, levels=2)], params)

@@ -159,6 +159,27 @@ def test_failed_node_is_recorded_not_indexed(landed):
     assert again.cache_hits == 2 and set(not_hits(again)["product"].to_pylist()) == {"BBB"}
 
 
+def test_failing_batched_compute_isolates_the_bad_nodes(landed):
+    """A vectorized call that fails is retried node by node: only the bad nodes fail."""
+    catalog, store = landed
+    kind, nodes, params = plan(catalog)
+
+    def many(tables, p):
+        if any(t.num_rows == BBB_ROWS for t in tables):
+            raise ValueError("one bad partition in the batch")
+        return kind.compute_many(tables, p)
+
+    def one(table, p):
+        if table.num_rows == BBB_ROWS:
+            raise ValueError("boom")
+        return kind.compute(table, p)
+
+    mixed = NodeKind(kind.name, one, kind.code, prepare=kind.prepare, compute_many=many)
+    result = run_nodes(mixed, params, nodes, store)
+    assert (result.computed, result.failed) == (2, 2)
+    assert all("BBB/" in e and "boom" in e for e in result.failures)
+
+
 def test_input_changed_in_place_is_refused(landed):
     catalog, store = landed
     kind, nodes, params = plan(catalog)
