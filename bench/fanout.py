@@ -68,12 +68,37 @@ class RssSampler:
             self.peak = max(self.peak, total)
             time.sleep(0.2)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of each process in the tree, by role."""
+        import psutil
+
+        out: dict[str, float] = {}
+        for p in [self._proc, *self._proc.children(recursive=True)]:
+            try:
+                cmd = " ".join(p.cmdline())
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            role = (
+                "driver" if p.pid == self._proc.pid
+                else "prefect_server" if "prefect" in cmd and "server" in cmd
+                else "dask_worker" if "spawn_main" in cmd or "multiprocessing" in cmd
+                else "other"
+            )  # fmt: skip
+            out[role] = out.get(role, 0.0) + t.user + t.system
+        return out
+
     @contextmanager
     def phase(self, results: dict, name: str):
         self.peak = 0
+        before = self.cpu_seconds()
         yield
+        after = self.cpu_seconds()
         time.sleep(0.25)
         results.setdefault(name, {})["peak_rss_mb"] = round(self.peak / 2**20, 1)
+        results[name]["cpu_s"] = {
+            role: round(after[role] - before.get(role, 0.0), 2) for role in after
+        }
 
     def close(self) -> None:
         self._stop.set()

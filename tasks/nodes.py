@@ -84,7 +84,8 @@ MANIFEST_SCHEMA = pa.schema(
 # per-task cost (~3 ms here), short enough to balance load across workers.
 TARGET_TASK_S = 0.5
 MIN_TASKS_PER_WORKER = 4  # ... and every worker gets several tasks to even out the tail
-PROBE_NODES = 32  # work per node is measured on this many nodes when no history exists
+PROBE_NODES = 256  # nodes in the two probe batches (1/8 and 7/8) when there is no history
+BATCH_S = "quantloop.batch_s"  # manifest-table metadata: the batch task's wall time
 
 
 def sha256_json(value: Any) -> str:
@@ -288,6 +289,7 @@ def run_batch(
     """Compute a batch of nodes (one Dask task): read and verify each input, compute,
     pack the outputs, then commit the pack to the index. Returns manifest rows; the
     outputs stay in storage, never travel to the driver."""
+    started = time.perf_counter()
     store = NodeStore(store_root)
     reader = storage.BlobReader()
     if kind.prepare is not None:
@@ -317,6 +319,14 @@ def run_batch(
         for name, v in zip(out_cols, values, strict=True):
             out_cols[name].append(v)
         seconds[i] += time.perf_counter() - t0
+    if len(pack):
+        # Writing the pack is writing the nodes' outputs: each node is charged its
+        # share, by bytes. The pack is complete before any index row points into it.
+        t0 = time.perf_counter()
+        pack.write()
+        per_byte = (time.perf_counter() - t0) / max(pack.size, 1)
+        for i, length in enumerate(out_cols["output_length"]):
+            seconds[i] += length * per_byte
     out_cols["duration_s"] = seconds
     out_cols["status"] = ["failed" if e else "ok" for e in errors]
     out_cols["error"] = errors
@@ -335,7 +345,6 @@ def run_batch(
     )  # fmt: skip
     ok = rows.filter(pc.equal(rows["status"], "ok"))
     if ok.num_rows:
-        pack.write()  # the pack is complete before any index row points into it
         now = dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
         store.commit(
             kind.name,
@@ -343,7 +352,8 @@ def run_batch(
                 "written_at", pa.array([now] * ok.num_rows, pa.string())
             ),
         )
-    return rows
+    # The whole task's time, fixed costs included: what batch sizing is fitted to.
+    return rows.replace_schema_metadata({BATCH_S: str(time.perf_counter() - started)})
 
 
 def _compute(
@@ -390,11 +400,18 @@ def _compute(
     return outputs
 
 
-def batch_size(n: int, workers: int, node_s: float) -> int:
-    """Nodes per Dask task: about TARGET_TASK_S of work, yet several tasks per worker."""
-    by_work = max(1, int(TARGET_TASK_S / max(node_s, 1e-6)))
+def batch_size(n: int, workers: int, node_s: float, fixed_s: float = 0.0) -> int:
+    """Nodes per Dask task: at least TARGET_TASK_S of work, and enough that the task's
+    fixed cost (reading packs, writing its pack and index segment) stays under a tenth
+    of it; yet several tasks per worker, so the last ones end together."""
+    task_s = max(TARGET_TASK_S, 10 * fixed_s)
+    by_work = max(1, int(task_s / max(node_s, 1e-6)))
     by_balance = max(1, math.ceil(n / (workers * MIN_TASKS_PER_WORKER)))
     return min(by_work, by_balance)
+
+
+def _batch_s(rows: pa.Table) -> float:
+    return float((rows.schema.metadata or {}).get(BATCH_S.encode(), b"0"))
 
 
 def typical_node_s(index: pa.Table) -> float | None:
@@ -456,22 +473,22 @@ def run_nodes(
     if todo:
         reasons = explain(index, todo)
         workers = len(client.scheduler_info()["workers"]) if client is not None else 1
-        node_s = typical_node_s(index)
+        node_s, fixed_s = typical_node_s(index), 0.0
         computed: list[pa.Table] = []
-        if node_s is None:
-            # No history: measure on a small first batch, whose results are kept.
-            probe, todo = todo[:PROBE_NODES], todo[PROBE_NODES:]
-            first = _submit(client, kind, params, [probe], store.root, site)[0]
-            computed.append(first)
-            done += first.num_rows
+        if node_s is None and client is not None and len(todo) > 4 * PROBE_NODES:
+            # No history: two probe batches of different sizes give the fixed cost of a
+            # task and the cost of one more node; their results are kept.
+            small, large = todo[: PROBE_NODES // 8], todo[PROBE_NODES // 8 : PROBE_NODES]
+            todo = todo[PROBE_NODES:]
+            first = _submit(client, kind, params, [small, large], store.root, site)
+            computed += first
+            done += sum(t.num_rows for t in first)
             if progress:
                 progress(done, len(nodes))
-            ok = first.filter(pc.equal(first["status"], "ok"))
-            # The median: a fresh worker's first node pays for imports and warm-up.
-            node_s = (
-                statistics.median(ok["duration_s"].to_pylist()) if ok.num_rows else TARGET_TASK_S
-            )
-        size = batch_size(len(todo), workers, node_s)
+            (n1, t1), (n2, t2) = ((t.num_rows, _batch_s(t)) for t in first)
+            node_s = max((t2 - t1) / (n2 - n1), 1e-6) if t2 > t1 else t2 / n2
+            fixed_s = max(t1 - n1 * node_s, 0.0)
+        size = batch_size(len(todo), workers, node_s or TARGET_TASK_S, fixed_s)
         groups = [todo[i : i + size] for i in range(0, len(todo), size)]
         for batch_rows in _submit_iter(client, kind, params, groups, store.root, site):
             computed.append(batch_rows)
@@ -517,6 +534,38 @@ def _hit_rows(hits: pa.Table, site: str) -> pa.Table:
     )  # fmt: skip
 
 
+def node_columns(nodes: Sequence[Node]) -> pa.Table:
+    """Nodes as Arrow columns: what a batch sends to its worker. Pickling 10^4 node
+    objects costs the driver ~0.15 s per batch; an Arrow table a few milliseconds."""
+    return pa.table(
+        {
+            "kind": [n.kind for n in nodes],
+            "product": [n.partition.product for n in nodes],
+            "date": [n.partition.date for n in nodes],
+            "code": [n.code for n in nodes],
+            "params": [n.params for n in nodes],
+            "url": [n.input.url for n in nodes],
+            "offset": [n.input.offset for n in nodes],
+            "length": [n.input.length for n in nodes],
+            "digest": [n.input.digest for n in nodes],
+        }
+    )
+
+
+def nodes_from_columns(table: pa.Table) -> list[Node]:
+    cols = [table[c].to_pylist() for c in table.column_names]
+    return [
+        Node(kind, Partition.trusted(product, date), code, params,
+             storage.Blob(url, offset, length, digest))
+        for kind, product, date, code, params, url, offset, length, digest in zip(*cols,
+                                                                                  strict=True)
+    ]  # fmt: skip
+
+
+def _run_batch_columns(kind, params, columns: pa.Table, root: str, site: str) -> pa.Table:
+    return run_batch(kind, params, nodes_from_columns(columns), root, site)
+
+
 def _submit(client, kind, params, groups, root, site) -> list[pa.Table]:
     return list(_submit_iter(client, kind, params, groups, root, site))
 
@@ -531,6 +580,9 @@ def _submit_iter(client, kind, params, groups, root, site):
     # kind and params travel inside each task (small); scattered data would be lost
     # with a dying worker, and the batch could not be retried elsewhere.
     params = dict(params)
-    futures = [client.submit(run_batch, kind, params, g, root, site, pure=False) for g in groups]
+    futures = [
+        client.submit(_run_batch_columns, kind, params, node_columns(g), root, site, pure=False)
+        for g in groups
+    ]
     for future in as_completed(futures):
         yield future.result()

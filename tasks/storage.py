@@ -231,6 +231,10 @@ class PackWriter:
     def __len__(self) -> int:
         return len(self._parts)
 
+    @property
+    def size(self) -> int:
+        return self._size
+
     def write(self) -> None:
         if self._parts:
             write_bytes_atomic(self.url, b"".join(self._parts))
