@@ -1,6 +1,7 @@
 """Run the whole GPU optimization ladder once and write its results.
 
     python bench/ladder.py --out $OUT [--preset h200] [--commit SHA] [--quick]
+                           [--rungs 1,2] [--controls fp32] [--set lr=3e-4 --set signal=1]
 
 Writes to --out: ladder-h200.json (every figure), ladder-h200.md (the table),
 ladder-h200.traces.tar.gz (one Chrome/Perfetto trace per rung) and prints the table last.
@@ -19,7 +20,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profiling.config import preset  # noqa: E402
-from profiling.ladder import run_ladder, table_markdown  # noqa: E402
+from profiling.ladder import (  # noqa: E402
+    CONTROLS,
+    controls_markdown,
+    run_ladder,
+    table_markdown,
+)
+
+
+def override(cfg, assignment: str):
+    """cfg with one `field=value` applied, the value parsed as the field's current type."""
+    name, _, text = assignment.partition("=")
+    current = getattr(cfg, name)  # AttributeError names an unknown field
+    if isinstance(current, tuple):
+        value = tuple(int(v) for v in text.split(",") if v)
+    elif isinstance(current, bool):
+        value = text.lower() in ("1", "true", "yes")
+    else:
+        value = type(current)(text)
+    return dataclasses.replace(cfg, **{name: value})
 
 
 def main() -> None:
@@ -31,9 +50,13 @@ def main() -> None:
     ap.add_argument("--commit", default="", help="the commit the tree was taken from")
     ap.add_argument("--quick", action="store_true", help="smoke test: few timed steps")
     ap.add_argument("--rungs", default="", help="comma-separated rung numbers (default: all)")
+    ap.add_argument("--controls", default=",".join(CONTROLS), help="controls to run")
+    ap.add_argument("--set", action="append", default=[], help="config field=value")
     args = ap.parse_args()
 
     cfg = preset(args.preset)
+    for assignment in args.set:
+        cfg = override(cfg, assignment)
     if args.quick:
         cfg = dataclasses.replace(cfg, timed_steps=50, n_days=3)
     out = Path(args.out)
@@ -41,14 +64,19 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     rungs = tuple(int(r) for r in args.rungs.split(",") if r) or None
-    result = run_ladder(cfg, str(work), rungs=rungs, log=lambda m: print(m, flush=True))
+    controls = tuple(c for c in args.controls.split(",") if c)
+    result = run_ladder(
+        cfg, str(work), rungs=rungs, controls=controls, log=lambda m: print(m, flush=True)
+    )
     result["commit"] = args.commit
     result["wall_s"] = time.perf_counter() - t0
     md = table_markdown(result)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2, default=str))
     (out / f"{args.name}.md").write_text(
         f"# Ladder on {result['gpu']} (torch {result['torch']}, batch {result['batch_size']}, "
-        f"commit {args.commit or 'unknown'}, {result['date']})\n\n{md}\n"
+        f"commit {args.commit or 'unknown'}, {result['date']})\n\n{md}\n\n"
+        f"Controls (the baseline re-trained; deviation from the baseline):\n\n"
+        f"{controls_markdown(result)}\n"
     )
     with tarfile.open(out / f"{args.name}.traces.tar.gz", "w:gz") as tar:
         for row in result["rungs"]:

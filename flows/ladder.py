@@ -19,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from profiling.config import preset
-from profiling.ladder import RUNGS, run_ladder, table_markdown
+from profiling.ladder import RUNGS, controls_markdown, run_ladder, table_markdown
 from quantloop.provenance import git_commit
 from quantloop.workspace import Workspace
 from tasks import tracking
@@ -96,14 +96,9 @@ def report_markdown(result: dict) -> str:
             f"Measured ceilings: bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s, "
             f"device copy {c['copy_gbps']:.0f} GB/s."
         )
-    ctl = result.get("controls") or {}
-    if ctl:
+    if result.get("controls"):
         lines += ["", "Controls (baseline re-trained; deviation from the baseline):", ""]
-        lines += [
-            f"- {name}: loss {v['loss_max_rel_dev']:.2e}, pred L2 {v['pred_rel_l2']:.2e}, "
-            f"mark-out {v['markout_delta_bps']:.3f} bp"
-            for name, v in ctl.items()
-        ]
+        lines.append(controls_markdown(result))
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,7 @@ from profiling import kernels, measure
 from profiling.compile import apply_compile
 from profiling.config import LadderConfig, Tolerance
 from profiling.cudagraph import apply_cudagraph
-from profiling.equivalence import compare, interval_means, step0_deviation
+from profiling.equivalence import Equivalence, compare, interval_means, step0_deviation
 from profiling.metrics import DeviceLogger, HostLogger
 from profiling.packing import apply_packing
 from profiling.precision import apply_precision, autocast
@@ -358,11 +358,33 @@ def markout_summary(work: Workload, run: RungRun, product: str) -> dict:
     return {**total, "se_bps": se}
 
 
+def heldout_fit(work: Workload, pred: np.ndarray) -> dict:
+    """How well predictions fit the held-out day's labels: the mean squared error in
+    standardized label units (1.0 = no better than predicting the mean) and the
+    correlation per label. Evidence that the model learned something to be equivalent on."""
+    y = work.test_labels
+    ok = np.isfinite(y).all(axis=1)
+    z = work.normalizer.scale_labels(y[ok]).astype(np.float64)
+    zp = work.normalizer.scale_labels(pred[ok]).astype(np.float64)
+    corr = [float(np.corrcoef(zp[:, j], z[:, j])[0, 1]) for j in range(z.shape[1])]
+    return {"heldout_loss": float(np.mean((zp - z) ** 2)), "heldout_corr": corr}
+
+
 # Relative size of a rounding error: the unit roundoff of each precision (half an ulp).
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-9}
 
 
-def run_controls(work: Workload, cfg: LadderConfig, device: torch.device, base: dict, log) -> dict:
+CONTROLS = ("fp32", "bf16", "other_seed")
+
+
+def run_controls(
+    work: Workload,
+    cfg: LadderConfig,
+    device: torch.device,
+    base: dict,
+    log,
+    names: tuple[str, ...] = CONTROLS,
+) -> dict:
     """The baseline again with its initial weights perturbed by one rounding error of each
     precision, and once with another seed: how far rounding alone, and a genuinely
     different model, move the three equivalence figures on this workload."""
@@ -370,36 +392,71 @@ def run_controls(work: Workload, cfg: LadderConfig, device: torch.device, base: 
     runs = [(k, {"perturb": u}, cfg) for k, u in UNIT_ROUNDOFF.items()]
     runs.append(("other_seed", {}, dataclasses.replace(cfg, seed=cfg.seed + 1)))
     for name, kwargs, c in runs:
+        if name not in names:
+            continue
         run = train_rung(RUNGS[0], Switches(), work, c, device, None, **kwargs)
-        summary = markout_summary(work, run, cfg.product)
-        eq = compare(
-            loss_curve=interval_means(run.loss, cfg.log_every), base_loss_curve=base["curve"],
-            pred=run.pred_test, base_pred=base["pred"], markout_bps=summary["mean_bps"],
-            base_markout_bps=base["markout"]["mean_bps"], tolerance=cfg.fp32_tolerance,
-        )  # fmt: skip
+        eq, _, _ = check_rung(work, run, base, cfg, cfg.fp32_tolerance, step0=False)
+        eq_bf16, _, _ = check_rung(work, run, base, cfg, cfg.bf16_tolerance, step0=False)
         controls[name] = {
             "perturb": kwargs.get("perturb", 0.0),
             "loss_max_rel_dev": eq.loss_max_rel_dev,
             "pred_rel_l2": eq.pred_rel_l2,
             "markout_delta_bps": eq.markout_delta_bps,
+            **heldout_fit(work, run.pred_test),
+            # what the stated checks say about this control: a rounding control should pass
+            # both, another seed (a different model) should fail both
+            "fails_fp32": list(eq.failures),
+            "fails_bf16": list(eq_bf16.failures),
         }
         log(f"control {name}: {controls[name]}")
     return controls
 
 
-def calibrated(stated: Tolerance, control: dict) -> Tolerance:
-    """The stated tolerance, widened to CONTROL_FACTOR x what one rounding error of the
-    rung's precision does to the baseline (a rung may not change the answer more than
-    rounding at its own precision would, with margin)."""
-    return Tolerance(
-        step0_rel=stated.step0_rel,
-        loss_rel=max(stated.loss_rel, CONTROL_FACTOR * control["loss_max_rel_dev"]),
-        pred_rel_l2=max(stated.pred_rel_l2, CONTROL_FACTOR * control["pred_rel_l2"]),
-        markout_bps=max(stated.markout_bps, CONTROL_FACTOR * control["markout_delta_bps"]),
-    )
+def control_floor(control: dict) -> dict:
+    """CONTROL_FACTOR x what one rounding error of the rung's precision does to the
+    baseline: below this no check can hold a rung. Reported next to the stated tolerance,
+    never used to widen it: a rung over its stated tolerance fails even when the floor is
+    higher (the row then says the tolerance is below the floor)."""
+    return {k: CONTROL_FACTOR * v for k, v in control.items()}
 
 
 CONTROL_FACTOR = 2.0
+
+
+def reference(work: Workload, run: RungRun, cfg: LadderConfig) -> dict:
+    """What every rung is compared with: the baseline run's figures."""
+    return {
+        "curve": interval_means(run.loss, cfg.log_every),
+        "pred": run.pred_test,
+        "markout": markout_summary(work, run, cfg.product),
+        "loss0": float(run.loss[0]),
+        "norms0": np.array([v[0] for v in run.grad_norm.values()]),
+    }
+
+
+def check_rung(
+    work: Workload,
+    run: RungRun,
+    base: dict,
+    cfg: LadderConfig,
+    tolerance: Tolerance,
+    *,
+    step0: bool = True,
+) -> tuple[Equivalence, dict, np.ndarray]:
+    """The rung's equivalence to the baseline `base` (reference()) under `tolerance`;
+    also returns its mark-out summary and loss curve. step0=False leaves the first-step
+    figure out (0): the controls change the initial weights or the seed on purpose."""
+    summary = markout_summary(work, run, cfg.product)
+    curve = interval_means(run.loss, cfg.log_every)
+    norms0 = np.array([v[0] for v in run.grad_norm.values()])
+    dev0 = step0_deviation(float(run.loss[0]), base["loss0"], norms0, base["norms0"])
+    eq = compare(
+        step0=dev0 if step0 else 0.0,
+        loss_curve=curve, base_loss_curve=base["curve"], pred=run.pred_test,
+        base_pred=base["pred"], markout_bps=summary["mean_bps"],
+        base_markout_bps=base["markout"]["mean_bps"], tolerance=tolerance,
+    )  # fmt: skip
+    return eq, summary, curve
 
 
 def _params(work: Workload, cfg: LadderConfig) -> int:
@@ -411,6 +468,7 @@ def run_ladder(
     out: str,
     *,
     rungs: tuple[int, ...] | None = None,
+    controls: tuple[str, ...] = CONTROLS,
     log: Callable[[str], None] = print,
 ) -> dict:
     """All rungs (or those numbered in `rungs`; 1 always runs: it is the reference).
@@ -444,7 +502,7 @@ def run_ladder(
 
     available = {r.switch for r in RUNGS if skip_reason(r, device) is None}
     base: dict | None = None
-    controls: dict[str, dict] = {}
+    control_names, controls = controls, {}
     rows = []
     wanted = set(rungs or [r.number for r in RUNGS]) | {1}
     for rung in RUNGS:
@@ -459,24 +517,18 @@ def run_ladder(
         sw = Switches.upto(rung.number, available)
         log(f"rung {rung.number} {rung.name}: {asdict(sw)}")
         run = train_rung(rung, sw, work, cfg, device, out)
-        summary = markout_summary(work, run, cfg.product)
-        curve = interval_means(run.loss, cfg.log_every)
-        norms0 = np.array([v[0] for v in run.grad_norm.values()])
         if base is None:
-            base = {"curve": curve, "pred": run.pred_test, "markout": summary,
-                    "loss0": float(run.loss[0]), "norms0": norms0}  # fmt: skip
-            controls = run_controls(work, cfg, device, base, log)
+            base = reference(work, run, cfg)
+            controls = run_controls(work, cfg, device, base, log, control_names)
         precision = "bf16" if sw.bf16 else "fp32"
         # a bf16 rung also reorders float32 sums: its floor is the larger of the two controls
-        floor = {k: max(controls[p][k] for p in (["fp32", "bf16"] if sw.bf16 else ["fp32"]))
-                 for k in ("loss_max_rel_dev", "pred_rel_l2", "markout_delta_bps")}  # fmt: skip
-        tol = calibrated(cfg.bf16_tolerance if sw.bf16 else cfg.fp32_tolerance, floor)
-        eq = compare(
-            step0=step0_deviation(float(run.loss[0]), base["loss0"], norms0, base["norms0"]),
-            loss_curve=curve, base_loss_curve=base["curve"], pred=run.pred_test,
-            base_pred=base["pred"], markout_bps=summary["mean_bps"],
-            base_markout_bps=base["markout"]["mean_bps"], tolerance=tol,
-        )  # fmt: skip
+        own = [p for p in (["fp32", "bf16"] if sw.bf16 else ["fp32"]) if p in controls]
+        floor = control_floor({
+            k: max((controls[p][k] for p in own), default=0.0)
+            for k in ("loss_max_rel_dev", "pred_rel_l2", "markout_delta_bps")
+        })  # fmt: skip
+        tol = cfg.bf16_tolerance if sw.bf16 else cfg.fp32_tolerance
+        eq, summary, curve = check_rung(work, run, base, cfg, tol)
         step_s = run.timed_s / cfg.timed_steps
         positions = (work.pack_rows if sw.packing else cfg.batch_size) * cfg.max_len
         flops = measure.model_flops(
@@ -518,9 +570,30 @@ def run_ladder(
             markout_delta_bps=eq.markout_delta_bps,
             precision=precision,
             tolerance=asdict(eq.tolerance),
+            control_floor=floor,
+            tolerance_below_floor=[
+                k
+                for k, t in (
+                    ("loss_max_rel_dev", tol.loss_rel),
+                    ("pred_rel_l2", tol.pred_rel_l2),
+                    ("markout_delta_bps", tol.markout_bps),
+                )
+                if floor[k] > t
+            ],  # fmt: skip
+            # limits that another seed (a different model) would pass: such a check has no power
+            tolerance_not_below_other_seed=[
+                k
+                for k, t in (
+                    ("loss_max_rel_dev", tol.loss_rel),
+                    ("pred_rel_l2", tol.pred_rel_l2),
+                    ("markout_delta_bps", tol.markout_bps),
+                )
+                if "other_seed" in controls and controls["other_seed"][k] <= t
+            ],  # fmt: skip
             equivalent=eq.equivalent,
             failures=list(eq.failures),
             final_loss=float(curve[-1]),
+            **heldout_fit(work, run.pred_test),
             loss_curve=curve.tolist(),
             trades=summary["count"],
             markout_bps=summary["mean_bps"],
@@ -545,7 +618,8 @@ def run_ladder(
             f"launches {row['kernels_per_step']}, syncs {row['syncs_per_step']}; "
             f"step0 {eq.step0_rel:.2e}, loss dev {eq.loss_max_rel_dev:.2e}, "
             f"pred L2 {eq.pred_rel_l2:.2e}, "
-            f"mark-out {eq.markout_delta_bps:.3f} bp -> "
+            f"mark-out {eq.markout_delta_bps:.3f} bp; held-out loss {row['heldout_loss']:.3f} "
+            f"corr {np.round(row['heldout_corr'], 3).tolist()} -> "
             f"{'equivalent' if eq.equivalent else 'NOT equivalent: ' + '; '.join(eq.failures)}"
         )
         rows.append(row)
@@ -593,11 +667,32 @@ TABLE_COLUMNS = (
     ("rung", None), ("samples/s", ",.0f"), ("step ms", ".2f"), ("speedup", ".2f"),
     ("launches/step", ".1f"), ("syncs/step", ".2f"), ("GPU util", ".0%"), ("peak GB", ".2f"),
     ("TFLOP/s", ".1f"), ("roofline", ".1%"), ("step-0 dev", ".1e"), ("loss dev", ".1e"),
-    ("pred L2", ".1e"), ("mark-out Δ bp", ".3f"), ("equivalent", None),
+    ("pred L2", ".1e"), ("mark-out Δ bp", ".3f"), ("held-out loss", ".3f"), ("equivalent", None),
 )  # fmt: skip
 _KEYS = (None, "samples_per_s", "step_ms", "speedup_vs_baseline", "kernels_per_step",
          "syncs_per_step", "gpu_util", "peak_mem_gb", "achieved_tflops", "roofline_fraction",
-         "step0_rel", "loss_max_rel_dev", "pred_rel_l2", "markout_delta_bps", None)  # fmt: skip
+         "step0_rel", "loss_max_rel_dev", "pred_rel_l2", "markout_delta_bps", "heldout_loss",
+         None)  # fmt: skip
+
+
+def controls_markdown(result: dict) -> str:
+    """The controls: how far rounding alone and another seed move the baseline's answer."""
+    lines = [
+        "| control | loss dev | pred L2 | mark-out Δ bp | held-out loss | fp32 check "
+        "| bf16 check |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for name, c in (result.get("controls") or {}).items():
+        verdict = [
+            "fails: " + "; ".join(c[k]) if c.get(k) else "passes"
+            for k in ("fails_fp32", "fails_bf16")
+        ]
+        lines.append(
+            f"| {name} | {c['loss_max_rel_dev']:.1e} | {c['pred_rel_l2']:.1e} | "
+            f"{c['markout_delta_bps']:.3f} | {c['heldout_loss']:.3f} | {verdict[0]} | "
+            f"{verdict[1]} |"
+        )
+    return "\n".join(lines)
 
 
 def table_markdown(result: dict) -> str:

@@ -28,7 +28,7 @@ from tasks.synthetic import SyntheticConfig, generate_day
 from tasks.training import Normalizer, column_matrix
 
 START_DATE = dt.date(2026, 3, 2)
-STORE_PATH = "{root}/features/product={product}/date={date}.parquet"
+STORE_PATH = "{root}/features-{key}/product={product}/date={date}.parquet"
 
 
 # ---------------------------------------------------------------- the feature store
@@ -36,17 +36,50 @@ STORE_PATH = "{root}/features/product={product}/date={date}.parquet"
 
 def write_store(cfg: LadderConfig, root: str) -> list[str]:
     """Generate `cfg.n_days` synthetic days, compute features, write one Parquet file each."""
-    synth = SyntheticConfig(seed=cfg.seed, events_per_day=cfg.events_per_day)
-    params = FeatureParams()
+    synth = SyntheticConfig(seed=cfg.seed, events_per_day=cfg.events_per_day, signal=cfg.signal)
+    params = feature_params(cfg)
+    # the data's knobs name the folder: a store written with other settings is never reused
+    key = f"s{cfg.seed}-n{cfg.events_per_day}-sig{cfg.signal:g}-h" + "_".join(
+        map(str, cfg.label_horizons)
+    )
     urls = []
     for i in range(cfg.n_days):
         date = START_DATE + dt.timedelta(days=i)
-        url = STORE_PATH.format(root=root, product=cfg.product, date=date.isoformat())
+        url = STORE_PATH.format(root=root, key=key, product=cfg.product, date=date.isoformat())
         if not storage.exists(url):  # written atomically: existing means complete
             book = generate_day(cfg.product, date, synth)
             storage.write_parquet_atomic(url, compute_features(book, params))
         urls.append(url)
     return urls
+
+
+def feature_params(cfg: LadderConfig) -> FeatureParams:
+    return FeatureParams(label_horizons=cfg.label_horizons)
+
+
+def next_move(mid: np.ndarray) -> np.ndarray:
+    """[rows] +1/-1: the direction of the mid's next change after each row; NaN if none."""
+    change = np.flatnonzero(np.diff(mid) != 0)  # the mid changes between row c and c + 1
+    first = np.searchsorted(change, np.arange(len(mid)))  # first change at or after row i
+    out = np.full(len(mid), np.nan)
+    ok = first < len(change)
+    c = change[first[ok]]
+    out[ok] = np.sign(mid[c + 1] - mid[c])
+    return out
+
+
+def label_names(cfg: LadderConfig) -> list[str]:
+    if cfg.target == "next_move":
+        return ["next_move"]
+    return list(feature_set(feature_params(cfg)).labels)
+
+
+def label_matrix(table: pa.Table, cfg: LadderConfig) -> np.ndarray:
+    """[rows, L] float32 labels of one day in their own units (direction, or bps)."""
+    if cfg.target == "next_move":
+        mid = table.column("mid").to_numpy(zero_copy_only=False).astype(np.float64)
+        return next_move(mid).astype(np.float32)[:, None]
+    return column_matrix(table, label_names(cfg))
 
 
 def clock_window_starts(time: np.ndarray, window_s: float, max_len: int) -> np.ndarray:
@@ -86,6 +119,7 @@ class Workload:
     normalizer: Normalizer
     inputs: list[str]
     label_names: list[str]
+    test_labels: np.ndarray  # [test rows, L] the held-out day's labels, own units (NaN: none)
     max_len: int
     pack_row: np.ndarray  # [steps, B] row of each window when the step's batch is packed
     pack_off: np.ndarray  # [steps, B] its first position in that row
@@ -112,14 +146,13 @@ def _finite_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def build_workload(cfg: LadderConfig, root: str) -> Workload:
     """Write (or reuse) the store under `root`, read it back, cut windows, fix the order."""
     tables = [storage.read_parquet(url) for url in write_store(cfg, root)]
-    layout = feature_set(FeatureParams())
-    inputs, label_names = layout.inputs, layout.labels
+    inputs, names = feature_set(feature_params(cfg)).inputs, label_names(cfg)
     train_tables, test_table = tables[:-1], tables[-1]
 
     feats, starts, ends, ys, thr_s, thr_e = [], [], [], [], [], []
     offset = 0
     for table in train_tables:  # one iteration per day
-        x, y = column_matrix(table, inputs), column_matrix(table, label_names)
+        x, y = column_matrix(table, inputs), label_matrix(table, cfg)
         start = clock_window_starts(
             table.column("time").to_numpy().astype(np.float64), cfg.window_s, cfg.max_len
         )
@@ -167,7 +200,8 @@ def build_workload(cfg: LadderConfig, root: str) -> Workload:
         threshold=Windows(start=np.concatenate(thr_s), end=np.concatenate(thr_e)),
         normalizer=normalizer,
         inputs=list(inputs),
-        label_names=list(label_names),
+        label_names=names,
+        test_labels=label_matrix(test_table, cfg),
         max_len=cfg.max_len,
         pack_row=pack_row,
         pack_off=np.stack([off for _, off in plans]),

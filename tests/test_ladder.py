@@ -7,6 +7,7 @@ bench/ladder.py on the device (bench/results/ladder-h200.json).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -16,14 +17,14 @@ import pytest
 import torch
 
 from models.orderbook import OrderBookNet
-from profiling import measure
+from profiling import kernels, measure
 from profiling.config import BF16, LadderConfig, Tolerance, cpu_tiny, preset
 from profiling.equivalence import compare, markout_delta, rel_l2, step0_deviation
 from profiling.kernels import CHUNK, FusedAdamW
-from profiling.ladder import RUNGS, Switches, model_config
+from profiling.ladder import RUNGS, Switches, check_rung, model_config, reference, train_rung
 from profiling.packing import PackedNet
 from profiling.streams import Layout
-from profiling.workload import build_workload, pack_plan, packed_batch, padded_batch
+from profiling.workload import build_workload, next_move, pack_plan, packed_batch, padded_batch
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,14 @@ def test_windows_vary_in_length_and_packing_keeps_every_event(work):
     b = packed_batch(work, 0)
     B = len(work.order[0])
     assert (b["seg"] < B).sum() == lengths[work.order[0]].sum()  # every real event, once
+
+
+def test_next_move_label_is_the_direction_of_the_next_mid_change(work):
+    got = next_move(np.array([1.0, 1.0, 2.0, 2.0, 1.5, 1.5]))
+    assert np.array_equal(got[:4], [1, 1, -1, -1]) and np.isnan(got[4:]).all()
+    assert work.label_names == ["next_move"]
+    raw = work.normalizer.unscale_labels(work.labels)
+    assert set(np.round(raw.ravel(), 6)) == {-1.0, 1.0}  # no NaN anchors were kept
 
 
 def test_packed_forward_is_the_padded_forward(work):
@@ -115,6 +124,41 @@ def test_equivalence_reports_failures_not_hides_them():
     assert markout_delta({"1s": math.nan}, {"1s": 1.0}) == math.inf
     assert step0_deviation(1.0, 1.0, np.array([2.0, 2.0]), np.array([2.0, 2.0])) == 0.0
     assert BF16.pred_rel_l2 > 1e-2  # bf16 looser than fp32
+
+
+def test_a_broken_rung_is_reported_not_equivalent(work, monkeypatch):
+    """The end-of-training checks have power: on the CPU preset, a correct fp32 rung (the
+    fused optimizer's reference path) passes the fp32 tolerance, while the same rung with
+    a real kind of bug (the first moment's bias correction dropped) and the baseline with
+    a wrong learning rate fail it -- and are reported with the figures that failed."""
+    cfg, cpu = cpu_tiny(), torch.device("cpu")
+    base = reference(work, train_rung(RUNGS[0], Switches(), work, cfg, cpu, None), cfg)
+    fused = Switches(fused_kernel=True)  # on a CPU: FusedAdamW's PyTorch reference path
+
+    ok, _, _ = check_rung(work, train_rung(RUNGS[4], fused, work, cfg, cpu, None), base, cfg,
+                          cfg.fp32_tolerance)  # fmt: skip
+    assert ok.equivalent, ok.failures
+
+    correct = kernels.bias_correction
+
+    def no_first_moment_correction(step, *, lr, betas):
+        coef = correct(step, lr=lr, betas=betas)
+        return torch.stack((torch.tensor(lr, dtype=coef.dtype), coef[1]))
+
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "bias_correction", no_first_moment_correction)
+        broken = train_rung(RUNGS[4], fused, work, cfg, cpu, None)
+    bad, _, _ = check_rung(work, broken, base, cfg, cfg.fp32_tolerance)
+    assert not bad.equivalent
+    assert bad.step0_rel < cfg.fp32_tolerance.step0_rel  # the first step can't see it ...
+    failed = {f.split()[0] for f in bad.failures}  # ... the end of training does
+    assert {"loss_max_rel_dev", "pred_rel_l2"} <= failed, bad.failures
+
+    wrong_lr = dataclasses.replace(cfg, lr=2 * cfg.lr)
+    bad_lr, _, _ = check_rung(work, train_rung(RUNGS[0], Switches(), work, wrong_lr, cpu, None),
+                              base, cfg, cfg.bf16_tolerance)  # fmt: skip
+    assert not bad_lr.equivalent  # fails even the looser bf16 tolerance
+    assert "pred_rel_l2" in {f.split()[0] for f in bad_lr.failures}, bad_lr.failures
 
 
 def test_layout_views_share_one_buffer():
@@ -188,6 +232,8 @@ def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     # on-device metrics record exactly what the .item() loop recorded
     assert rungs["device_metrics"]["loss_curve"] == rungs["bf16_tf32"]["loss_curve"]
     assert set(result["controls"]) == {"fp32", "bf16", "other_seed"}
+    assert result["controls"]["fp32"]["fails_fp32"] == []  # rounding passes ...
+    assert result["controls"]["other_seed"]["fails_bf16"]  # ... another model does not
     report = (tmp_path / "out" / "ladder.md").read_text()
     assert "| 8. no_padding |" in report and "skipped: no CUDA device" in report
 
