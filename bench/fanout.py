@@ -163,6 +163,12 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=2_000, help="nodes for (d) and (e)")
     parser.add_argument("--dask-runner-sample", type=int, default=300, help="nodes for (f)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        help="nodes per Prefect shard task [default: the flow's]",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fanout.json")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument(
@@ -236,8 +242,9 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
         def engine(name: str, product_features=None) -> None:
             with rss.phase(results, name):
                 t = time.perf_counter()
+                shard = {"shard_size": args.shard_size} if args.shard_size else {}
                 result = features(workspace, selection, params, product_features,
-                                  shard_size=10_000, parent_run_id=parent)  # fmt: skip
+                                  parent_run_id=parent, **shard)  # fmt: skip
                 wall = time.perf_counter() - t
             m = result.manifest
             ran = m.filter(pc.invert(m["cache_hit"]))

@@ -155,7 +155,7 @@ def features(
     selection: Selection = Selection(),
     features: FeatureParams = FeatureParams(),
     product_features: dict[str, dict] | None = None,
-    shard_size: int = 10_000,
+    shard_size: int = 50_000,
     parent_run_id: str | None = None,
 ) -> RunResult:
     """Compute, or find in the cache, the feature node of every selected partition.

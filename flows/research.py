@@ -67,7 +67,7 @@ class ResearchParams(BaseModel):
     holdout_fraction: float = Field(
         default=0.3, gt=0, lt=1, description="Share of dates (or of the day) held out."
     )
-    shard_size: int = Field(default=10_000, ge=1, description="Nodes per Prefect shard task.")
+    shard_size: int = Field(default=50_000, ge=1, description="Nodes per Prefect shard task.")
 
     def hash(self) -> str:
         """Digest of what decides the result (not where it is stored)."""

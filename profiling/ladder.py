@@ -8,7 +8,6 @@ left off the later rungs too).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import math
@@ -42,6 +41,7 @@ from profiling.workload import (
     padded_spec,
 )
 from tasks.simulation import SimConfig, markout, simulate, summarize, thresholds_from
+from tasks.training import torch_threads
 
 TRACE_PATH = "{out}/trace-rung{number}-{name}.json"
 
@@ -203,19 +203,6 @@ def predict(
     return work.normalizer.unscale_labels(np.concatenate(out))
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    if n <= 0:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 def train_rung(
     rung: Rung,
     sw: Switches,
@@ -298,7 +285,7 @@ def train_rung(
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with apply_precision(device, enabled=sw.bf16), _threads(cfg.num_threads):
+        with apply_precision(device, enabled=sw.bf16), torch_threads(cfg.num_threads):
             timer.start()
             for step in range(cfg.steps):
                 if step == W:

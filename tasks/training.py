@@ -261,7 +261,8 @@ class TrainResult:
 
 
 @contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's CPU thread count set to n inside the block (n <= 0: left alone)."""
     if n <= 0:
         yield
         return
@@ -311,7 +312,7 @@ def train(
     order_t = torch.from_numpy(sample_order(len(data), cfg)).to(device)  # [steps, B]
 
     rng_devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices), _torch_threads(cfg.num_threads):
+    with torch.random.fork_rng(devices=rng_devices), torch_threads(cfg.num_threads):
         torch.manual_seed(cfg.seed)
         model = OrderBookNet(model_cfg).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -371,7 +372,7 @@ def predict(
     ).to(device)
     offsets = torch.arange(1 - window, 1, device=device)  # [T]
     out = np.empty((n, result.model_config.n_outputs), np.float32)
-    with torch.no_grad(), _torch_threads(result.train_config.num_threads):
+    with torch.no_grad(), torch_threads(result.train_config.num_threads):
         for start in range(0, n, batch_size):  # one iteration per batch of rows
             stop = min(n, start + batch_size)
             rows = torch.arange(start, stop, device=device)[:, None] + offsets  # [B, T]
