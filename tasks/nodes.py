@@ -38,41 +38,26 @@ import pyarrow.compute as pc
 from tasks import storage
 from tasks.schema import Partition
 
-INDEX_SCHEMA = pa.schema(
-    [
-        ("key", pa.string()),
-        ("kind", pa.string()),
-        ("product", pa.string()),
-        ("date", pa.string()),
-        ("code", pa.string()),
-        ("params", pa.string()),
-        ("inputs", pa.string()),
-        ("output_digest", pa.string()),
-        ("output_url", pa.string()),
-        ("output_offset", pa.int64()),
-        ("output_length", pa.int64()),
-        ("rows", pa.int64()),
-        ("duration_s", pa.float64()),
-        ("written_at", pa.string()),
-    ]
-)
-
+_NODE = [("key", pa.string()), ("kind", pa.string()), ("product", pa.string()),
+         ("date", pa.string())]  # fmt: skip
+_KEY_PARTS = [("code", pa.string()), ("params", pa.string()), ("inputs", pa.string())]
+_OUTPUT = [
+    ("output_digest", pa.string()),
+    ("output_url", pa.string()),
+    ("output_offset", pa.int64()),
+    ("output_length", pa.int64()),
+    ("rows", pa.int64()),
+    ("duration_s", pa.float64()),
+]
+# The cache index: one row per committed node.
+INDEX_SCHEMA = pa.schema(_NODE + _KEY_PARTS + _OUTPUT + [("written_at", pa.string())])
+# A run's node records: every node of the run, hit, computed or failed.
 MANIFEST_SCHEMA = pa.schema(
-    [
-        ("key", pa.string()),
-        ("kind", pa.string()),
-        ("product", pa.string()),
-        ("date", pa.string()),
-        ("site", pa.string()),
-        ("code", pa.string()),
-        ("params", pa.string()),
-        ("inputs", pa.string()),
-        ("output_digest", pa.string()),
-        ("output_url", pa.string()),
-        ("output_offset", pa.int64()),
-        ("output_length", pa.int64()),
-        ("rows", pa.int64()),
-        ("duration_s", pa.float64()),
+    _NODE
+    + [("site", pa.string())]
+    + _KEY_PARTS
+    + _OUTPUT
+    + [
         ("cache_hit", pa.bool_()),
         ("status", pa.string()),  # "ok" or "failed"
         ("reason", pa.string()),  # why it ran: new, code, params, input, missing; "" on a hit
