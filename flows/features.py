@@ -292,11 +292,3 @@ def feature_outputs(
             "run the features flow on this selection first"
         )
     return {n.partition: FeatureOutput(n.key, output_blob(found[n.key])) for n in nodes}
-
-
-def failed_partitions(manifest: pa.Table) -> list[str]:
-    failed = manifest.filter(pc.equal(manifest["status"], "failed"))
-    return [
-        f"{p}/{d}"
-        for p, d in zip(failed["product"].to_pylist(), failed["date"].to_pylist(), strict=True)
-    ]

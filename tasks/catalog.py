@@ -224,10 +224,3 @@ class Catalog:
     def datasets(self) -> list[str]:
         with self._connect() as db:
             return [r[0] for r in db.execute("SELECT DISTINCT dataset FROM partitions")]
-
-    def to_arrow(self) -> pa.Table:
-        with self._connect() as db:
-            cur = db.execute("SELECT * FROM partitions ORDER BY dataset, product, date")
-            names = [d[0] for d in cur.description]
-            rows = cur.fetchall()
-        return pa.table({n: [r[i] for r in rows] for i, n in enumerate(names)})

@@ -98,8 +98,3 @@ class Partition:
         object.__setattr__(p, "product", product)
         object.__setattr__(p, "date", date)
         return p
-
-    @classmethod
-    def parse(cls, text: str) -> Partition:
-        product, _, date = text.partition("/")
-        return cls(product, dt.date.fromisoformat(date))
