@@ -189,3 +189,33 @@ def test_bad_file_in_a_folder_lands_nothing(tmp_path, lobster_dir):
         land_lobster(catalog, str(root), folder)
     assert catalog.entries("lobster") == []
     assert not root.exists()
+
+
+@pytest.mark.parametrize("fault", ["wrong column count", "crossed book", "non-monotonic time"])
+def test_bad_csv_day_beside_a_good_one_lands_nothing(tmp_path, fault):
+    """A folder with a good day and a bad one: the error names the bad file and row,
+    and no day of the folder is landed (no dataset file, no catalog row)."""
+    from tests.test_ingest import BOOK, MSG, write_day
+
+    folder = tmp_path / "lobster"
+    folder.mkdir()
+    write_day(folder, MSG, BOOK)  # TEST, 2024-01-02: valid
+    msg, book = list(MSG), list(BOOK)
+    if fault == "wrong column count":
+        book[2] += ",5"
+        where = r"OTHER_2024-01-03_.*orderbook_2\.csv: row 3"
+    elif fault == "crossed book":
+        book[1] = "999000,100,1000000,200,9999999999,0,-9999999999,0"
+        where = r"OTHER_2024-01-03_.*orderbook_2\.csv: row 2"
+    else:
+        msg[2] = "34200.05" + msg[2][len("34200.30") :]
+        where = r"OTHER_2024-01-03_.*message_2\.csv: row 3"
+    stem = "OTHER_2024-01-03_34200000_57600000"
+    (folder / f"{stem}_message_2.csv").write_text("\n".join(msg) + "\n")
+    (folder / f"{stem}_orderbook_2.csv").write_text("\n".join(book) + "\n")
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = tmp_path / "store"
+    with pytest.raises(DataValidationError, match=where):
+        land_lobster(catalog, str(root), folder)
+    assert catalog.entries("lobster") == []
+    assert not root.exists()
