@@ -182,7 +182,7 @@ def main() -> None:
         print(markdown(json.loads(args.markdown.read_text())))
         return
 
-    from tests.servers import prefect_server  # the same launcher the tests use
+    from quantloop.servers import prefect_server  # the same launcher the tests use
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="quantloop-fanout-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import servers
+from quantloop import servers
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 LOBSTER_DIR = SHARED_DATA / "lobster"

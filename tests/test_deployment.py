@@ -22,9 +22,9 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from blocks import MlflowTracking, Site
 from flows.features import feature_outputs
 from infra.deploy import REPO_ROOT, deploy, ensure_pool
+from quantloop import servers
 from quantloop.workspace import Selection, Workspace
 from tasks.features import FeatureParams
-from tests import servers
 
 PREFECT_YAML = REPO_ROOT / "infra" / "prefect.yaml"
 POOL = "quantloop-test-cpu"

@@ -1,5 +1,5 @@
-"""Real servers on loopback for tests: MLflow tracking, an S3 endpoint (moto), a Prefect
-server and a Prefect process worker."""
+"""Real servers on loopback: MLflow tracking, an S3 endpoint (moto), a Prefect server and
+a Prefect process worker. The tests and the benchmarks start them from here."""
 
 from __future__ import annotations
 
