@@ -13,6 +13,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+# Options several commands share.
+HomeOption = Annotated[
+    str | None, typer.Option(help="Folder for the embedded defaults [default: .quantloop]")
+]
+TrackingUriOption = Annotated[
+    str | None, typer.Option(help="MLflow tracking URI [default: SQLite in home]")
+]
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(stderr=True)
 
@@ -68,12 +76,8 @@ def run(
         Path | None,
         typer.Option(help="JSON file of research parameters (the flow's form, as JSON)."),
     ] = None,
-    home: Annotated[
-        str | None, typer.Option(help="Folder for the embedded defaults [default: .quantloop]")
-    ] = None,
-    tracking_uri: Annotated[
-        str | None, typer.Option(help="MLflow tracking URI [default: SQLite in home]")
-    ] = None,
+    home: HomeOption = None,
+    tracking_uri: TrackingUriOption = None,
     workers: Annotated[int | None, typer.Option(help="LocalCluster workers [default: 2]")] = None,
 ) -> None:
     """Run the research flow: data -> features -> train -> simulate -> MLflow."""
@@ -131,12 +135,8 @@ def ladder(
         str, typer.Option(help="Comma-separated rung numbers (1 always runs); default: all")
     ] = "",
     out: Annotated[Path | None, typer.Option(help="Folder for traces and the report")] = None,
-    home: Annotated[
-        str | None, typer.Option(help="Folder for the embedded defaults [default: .quantloop]")
-    ] = None,
-    tracking_uri: Annotated[
-        str | None, typer.Option(help="MLflow tracking URI [default: SQLite in home]")
-    ] = None,
+    home: HomeOption = None,
+    tracking_uri: TrackingUriOption = None,
 ) -> None:
     """Run the GPU optimization ladder flow and print its table (docs/ladder.md)."""
     from flows.ladder import LadderParams

@@ -13,6 +13,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from blocks.catalog import DataCatalog
 from blocks.site import Site
 from blocks.tracking import MlflowTracking
 from tasks.catalog import Catalog, Entry
@@ -35,6 +36,10 @@ class Workspace(BaseModel):
     n_workers: int = Field(default=2, ge=1, description="LocalCluster workers (no site block).")
     tracking: str | None = Field(
         default=None, description="Name of a saved quantloop MLflow Tracking block."
+    )
+    data_catalog: str | None = Field(
+        default=None,
+        description="Name of a saved quantloop Data Catalog block; empty: catalog.sqlite in home.",
     )
     tracking_uri: str | None = Field(
         default=None, description="MLflow tracking URI; overrides the block. Empty: SQLite in home."
@@ -67,6 +72,8 @@ class Workspace(BaseModel):
         return block
 
     def catalog(self) -> Catalog:
+        if self.data_catalog:
+            return DataCatalog.load(self.data_catalog).open()
         return Catalog(os.path.join(self.home_abs, "catalog.sqlite"))
 
 

@@ -25,8 +25,6 @@ from tasks.catalog import Catalog
 from tasks.ingest import DataValidationError
 from tasks.landing import land_lobster
 
-pytestmark = pytest.mark.slow
-
 TINY = {
     "data": {
         "products": ["SYNA", "SYNB"],
@@ -50,6 +48,7 @@ def children(client: MlflowClient, run_id: str) -> dict:
     return {r.data.tags["mlflow.runName"]: r for r in found}
 
 
+@pytest.mark.slow
 def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_uri, tmp_path):
     params = tiny_params(tmp_path / "home", mlflow_uri)
     first = research(params)
@@ -100,7 +99,6 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     assert stages["train"].data.tags["model_digest"] == first["model_digest"]
     artifacts = {a.path for a in client.list_artifacts(stages["simulate"].info.run_id)}
     assert {"markout_curve.png", "markouts"} <= artifacts
-    assert "simulate" in stages and "model.5s.hit_rate.5s" not in stages["simulate"].data.metrics
     assert "model.total.markout_bps.5s" in stages["simulate"].data.metrics
 
     again = research(params)
@@ -142,6 +140,7 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     assert out.exit_code == 0 and "9 of 18 nodes match" in out.output
 
 
+@pytest.mark.slow
 def test_research_on_lobster_files(prefect_api, tmp_path, lobster_dir):
     params = ResearchParams.model_validate(
         {

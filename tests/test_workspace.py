@@ -1,0 +1,44 @@
+"""The workspace resolves saved blocks by name, and embedded defaults without them."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from blocks.catalog import DataCatalog
+from blocks.site import Site
+from blocks.tracking import MlflowTracking
+from quantloop.workspace import Workspace
+from tasks.schema import Partition
+from tests.books import random_book
+
+
+def test_embedded_defaults_live_under_home(tmp_path):
+    ws = Workspace(home=str(tmp_path / "h"))
+    assert ws.resolve_site().root == str(tmp_path / "h" / "store")
+    assert ws.resolve_tracking().resolved_uri() == f"sqlite:///{tmp_path / 'h' / 'mlflow.db'}"
+    assert ws.catalog().path == tmp_path / "h" / "catalog.sqlite"
+
+
+def test_saved_blocks_are_used_by_name(prefect_api, tmp_path):
+    DataCatalog(path=str(tmp_path / "shared" / "cat.sqlite")).save("ws-cat", overwrite=True)
+    Site(name="onprem", storage_root=str(tmp_path / "onprem")).save("ws-site", overwrite=True)
+    MlflowTracking(tracking_uri="http://127.0.0.1:1", experiment="desk").save(
+        "ws-mlflow", overwrite=True
+    )
+    ws = Workspace(home=str(tmp_path / "h"), data_catalog="ws-cat", site="ws-site",
+                   tracking="ws-mlflow")  # fmt: skip
+    catalog = ws.catalog()
+    assert catalog.path == tmp_path / "shared" / "cat.sqlite"
+    catalog.land("d", Partition("AAA", dt.date(2026, 1, 5)), random_book(20), root=str(tmp_path))
+    assert [e.partition.product for e in ws.catalog().entries("d")] == ["AAA"]
+    assert ws.resolve_site().name == "onprem"
+    assert ws.resolve_tracking().experiment == "desk"
+    override = ws.model_copy(update={"tracking_uri": "sqlite:////tmp/x.db"})
+    assert override.resolve_tracking().tracking_uri == "sqlite:////tmp/x.db"
+
+
+def test_unknown_workspace_field_is_an_error():
+    with pytest.raises(ValueError, match="catalog_block"):
+        Workspace(catalog_block="x")
