@@ -12,7 +12,7 @@ import datetime as dt
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -36,7 +36,13 @@ from tasks.nodes import (
     output_blob,
     run_nodes,
 )
-from tasks.planning import feature_kind, plan_feature_nodes, product_params, shards
+from tasks.planning import (
+    feature_kind,
+    plan_feature_nodes,
+    plan_feature_table,
+    product_params,
+    shards,
+)
 from tasks.schema import Partition
 
 
@@ -60,7 +66,7 @@ class NodeFailures(RuntimeError):
 def feature_shard(
     kind: NodeKind,
     params: Mapping[str, dict],
-    nodes: Sequence[Node],
+    nodes: pa.Table,  # a plan (NODES_SCHEMA)
     store_root: str,
     site: str,
     client: object | None,
@@ -103,14 +109,16 @@ def feature_shard(
 
 def why_recomputed(manifest: pa.Table) -> dict[str, int]:
     """Counts of computed nodes by the part of their key that changed (new, code, params, ...)."""
-    ran = manifest.filter(pc.invert(manifest["cache_hit"]))
-    counts = pc.value_counts(ran["reason"]).to_pylist() if ran.num_rows else []
+    ran = manifest["reason"].filter(pc.invert(manifest["cache_hit"]))  # one column, not all
+    counts = pc.value_counts(ran).to_pylist() if len(ran) else []
     return {c["values"]: c["counts"] for c in counts}
 
 
-def all_cached(nodes: Sequence[Node], index: pa.Table) -> bool:
-    keys = pa.array([n.key for n in nodes], pa.string())
-    return bool(pc.all(pc.is_in(keys, value_set=index["key"])).as_py()) if nodes else True
+def all_cached(nodes: pa.Table, index: pa.Table) -> bool:
+    """Whether every node of a plan table is in the index."""
+    if nodes.num_rows == 0:
+        return True
+    return bool(pc.all(pc.is_in(nodes["key"], value_set=index["key"].combine_chunks())).as_py())
 
 
 def save_params(root: str, by_digest: Mapping[str, dict]) -> None:
@@ -165,13 +173,13 @@ def features(
     """
     t0 = time.perf_counter()
     logger = get_run_logger()
-    entries = selection.entries(workspace.catalog())
+    entries = selection.table(workspace.catalog())  # columns: no object per partition
     kind = feature_kind()
     per_product = product_params(
-        features, product_features or {}, sorted({e.partition.product for e in entries})
+        features, product_features or {}, pc.unique(entries["product"]).to_pylist()
     )
     site = workspace.resolve_site()
-    logger.info("%d feature nodes on site %s (%s)", len(entries), site.name, site.root)
+    logger.info("%d feature nodes on site %s (%s)", entries.num_rows, site.name, site.root)
     _, by_digest = plan_feature_nodes([], per_product, kind)  # parameters by digest
     save_params(site.root, by_digest)
     store = NodeStore(site.root)
@@ -183,7 +191,7 @@ def features(
         # on the first while the rest are planned; they run side by side, so the
         # cluster sees every batch at once and no worker idles at a shard's tail.
         for i, shard_entries in enumerate(shards(entries, shard_size)):
-            nodes, _ = plan_feature_nodes(shard_entries, per_product, kind)
+            nodes, _ = plan_feature_table(shard_entries, per_product, kind)
             if client is None and not all_cached(nodes, index):
                 # The cluster is started (or connected to) only if a node must run.
                 client = stack.enter_context(site.client())
@@ -250,8 +258,7 @@ def record(
 ) -> str:
     """One MLflow child run for the stage: summary metrics and the manifest, no per-node call."""
     m = result.manifest
-    computed = m.filter(pc.invert(m["cache_hit"]))
-    compute_s = pc.sum(computed["duration_s"]).as_py() or 0.0
+    compute_s = pc.sum(m["duration_s"].filter(pc.invert(m["cache_hit"]))).as_py() or 0.0
     client, experiment = tracking.client_for(workspace.resolve_tracking())
     with tracking.run(client, experiment, "features", parent=parent_run_id) as run:
         run.params({"node_kind": kind.name, "code_fingerprint": kind.code, "site": site})

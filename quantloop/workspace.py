@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime as dt
 import os
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from blocks.catalog import DataCatalog
@@ -95,15 +97,34 @@ class Selection(BaseModel):
             and (self.start is None or e.partition.date >= self.start)
             and (self.end is None or e.partition.date <= self.end)
         ]
-        if not found:
+        self._check(catalog, {e.partition.product for e in found})
+        return found
+
+    def table(self, catalog: Catalog) -> pa.Table:
+        """The selected entries as Arrow columns (`Catalog.table`)."""
+        table = catalog.table(self.dataset)
+        keep = None
+        if self.products is not None:
+            keep = pc.is_in(table["product"], value_set=pa.array(self.products, pa.string()))
+        # ISO dates compare as strings
+        for bound, op in ((self.start, pc.greater_equal), (self.end, pc.less_equal)):
+            if bound is not None:
+                mask = op(table["date"], bound.isoformat())
+                keep = mask if keep is None else pc.and_(keep, mask)
+        if keep is not None:
+            table = table.filter(keep)
+        self._check(catalog, set(pc.unique(table["product"]).to_pylist()))
+        return table
+
+    def _check(self, catalog: Catalog, products: set[str]) -> None:
+        if not products:
             raise ValueError(
                 f"no partitions of dataset {self.dataset!r} match products={self.products} "
                 f"start={self.start} end={self.end}; known datasets: {catalog.datasets()}"
             )
         if self.products:
-            missing = set(self.products) - {e.partition.product for e in found}
+            missing = set(self.products) - products
             if missing:
                 raise ValueError(
                     f"dataset {self.dataset!r} has no partitions for products {sorted(missing)}"
                 )
-        return found

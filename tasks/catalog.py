@@ -10,6 +10,7 @@ version (the old file stays, so older runs remain reproducible).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import sqlite3
@@ -39,6 +40,10 @@ CREATE TABLE IF NOT EXISTS partitions (
     source TEXT NOT NULL,
     landed_at TEXT NOT NULL,
     PRIMARY KEY (dataset, product, date)
+);
+CREATE TABLE IF NOT EXISTS versions (
+    dataset TEXT PRIMARY KEY,
+    version INTEGER NOT NULL  -- bumped by every write, in the write's transaction
 );
 """
 
@@ -184,11 +189,17 @@ class Catalog:
                     landed.append(Landed(e, "unchanged"))
                 else:
                     landed.append(Landed(e, "changed", old.digest))
+        self.table(dataset)  # the columnar snapshot, built with the landing
         return landed
 
     def _record(self, entries: list[Entry]) -> None:
         now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        with self._connect() as db:
+        with self._connect() as db:  # one transaction: the rows and their versions
+            db.executemany(
+                "INSERT INTO versions VALUES (?, 1)"
+                " ON CONFLICT(dataset) DO UPDATE SET version = version + 1",
+                [(d,) for d in sorted({e.dataset for e in entries})],
+            )
             db.executemany(
                 "INSERT OR REPLACE INTO partitions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 [
@@ -220,6 +231,49 @@ class Catalog:
             return entries
         wanted = set(partitions)
         return [e for e in entries if e.partition in wanted]
+
+    # The columns a plan needs, in `table`'s order.
+    TABLE_COLUMNS = ("product", "date", "digest", "location", "offset", "length")
+    _TABLE_TYPES = (pa.string(), pa.string(), pa.string(), pa.string(), pa.int64(), pa.int64())
+
+    def table(self, dataset: str) -> pa.Table:
+        """Current entries of a dataset as Arrow columns (TABLE_COLUMNS), sorted by
+        product and date: what a large plan reads instead of one Entry per row.
+
+        Served from a columnar snapshot of the dataset's version: reading 10^5 rows
+        out of SQLite costs ~0.5 s, the snapshot ~10 ms. Every write bumps the
+        version in its own transaction, so a snapshot is never older than the rows.
+        """
+        with self._connect() as db:
+            db.execute("BEGIN")  # the version and the rows from one read snapshot
+            row = db.execute(
+                "SELECT version FROM versions WHERE dataset = ?", (dataset,)
+            ).fetchone()
+            path = self._snapshot(dataset, row[0] if row else 0)
+            with contextlib.suppress(FileNotFoundError):  # absent, or just replaced
+                return storage.decode_table(path.read_bytes())
+            found = db.execute(
+                f"SELECT {', '.join(self.TABLE_COLUMNS)} FROM partitions WHERE dataset = ?"
+                " ORDER BY product, date",
+                (dataset,),
+            ).fetchall()
+        columns = list(zip(*found, strict=True)) if found else [()] * len(self._TABLE_TYPES)
+        table = pa.table(
+            [pa.array(c, t) for c, t in zip(columns, self._TABLE_TYPES, strict=True)],
+            names=list(self.TABLE_COLUMNS),
+        )
+        try:
+            storage.write_bytes_atomic(str(path), storage.arrow_bytes(table))
+            for old in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.arrows"):
+                if old != path:
+                    old.unlink(missing_ok=True)  # other versions: not current any more
+        except OSError:
+            pass  # a read-only catalog folder: serve the rows without a snapshot
+        return table
+
+    def _snapshot(self, dataset: str, version: int) -> Path:
+        name = storage.sha256_hex(dataset.encode())[:16]
+        return self.path.parent / f"{self.path.name}.snapshots" / f"{name}-{version}.arrows"
 
     def datasets(self) -> list[str]:
         with self._connect() as db:

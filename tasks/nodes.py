@@ -28,6 +28,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -49,6 +50,14 @@ _OUTPUT = [
     ("rows", pa.int64()),
     ("duration_s", pa.float64()),
 ]
+# A plan: one row per node, what a batch ships to its worker (Arrow, not objects:
+# 10^5 Node objects cost the driver seconds to build, pickle and walk).
+NODES_SCHEMA = pa.schema(
+    _NODE
+    + [("code", pa.string()), ("params", pa.string())]
+    + [("url", pa.string()), ("offset", pa.int64()), ("length", pa.int64()),
+       ("digest", pa.string())]  # the input blob; its digest is the key's "inputs"
+)  # fmt: skip
 # The cache index: one row per committed node.
 INDEX_SCHEMA = pa.schema(_NODE + _KEY_PARTS + _OUTPUT + [("written_at", pa.string())])
 # A run's node records: every node of the run, hit, computed or failed.
@@ -91,6 +100,26 @@ def code_fingerprint(*objects: Callable | ModuleType) -> str:
 _KEY_PREFIXES: dict[tuple[str, str, str], Any] = {}
 
 
+def _key_state(kind: str, code: str, params: str) -> Any:
+    # sha256 streams: a copy of the state of "kind|code|params|" updated with the input
+    # digest equals sha256(f"{kind}|{code}|{params}|{digest}"), at a third of the cost.
+    prefix = (kind, code, params)
+    state = _KEY_PREFIXES.get(prefix)
+    if state is None:
+        state = _KEY_PREFIXES.setdefault(prefix, hashlib.sha256("|".join(prefix + ("",)).encode()))
+    return state
+
+
+def node_keys(kind: str, code: str, params: Sequence[str], inputs: Sequence[str]) -> list[str]:
+    """Keys of many nodes of one kind and code: what `Node.key` gives each of them."""
+    keys = []
+    for p, digest in zip(params, inputs, strict=True):
+        h = _key_state(kind, code, p).copy()
+        h.update(digest.encode())
+        keys.append(h.hexdigest())
+    return keys
+
+
 @dataclass(frozen=True, slots=True)
 class Node:
     """One node: a kind applied to one version of an input partition."""
@@ -103,16 +132,8 @@ class Node:
     key: str = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Computed once (a 100,000-node plan asks for every key several times), from a
-        # hash state of "kind|code|params|" shared by all nodes with those three:
-        # sha256 streams, so this equals sha256(f"{kind}|{code}|{params}|{input digest}").
-        prefix = (self.kind, self.code, self.params)
-        state = _KEY_PREFIXES.get(prefix)
-        if state is None:
-            state = _KEY_PREFIXES.setdefault(
-                prefix, hashlib.sha256("|".join(prefix + ("",)).encode())
-            )
-        key = state.copy()
+        # Computed once: a plan asks for every key several times.
+        key = _key_state(self.kind, self.code, self.params).copy()
         key.update(self.input.digest.encode())
         object.__setattr__(self, "key", key.hexdigest())
 
@@ -164,7 +185,11 @@ class NodeStore:
         segments = storage.list_files(self.index_url(kind), ".parquet")
         if not segments:
             return INDEX_SCHEMA.empty_table()
-        return pa.concat_tables(storage.read_parquet(s).cast(INDEX_SCHEMA) for s in segments)
+        # Segments are read side by side: fetching and decoding release the GIL, so
+        # 100 segments cost about what 30 do one after the other.
+        with ThreadPoolExecutor(max_workers=min(8, len(segments))) as pool:
+            parts = list(pool.map(storage.read_parquet, segments))
+        return pa.concat_tables(p.cast(INDEX_SCHEMA) for p in parts)
 
     def existing(self, kind: str, keys: Sequence[str] | pa.Array) -> pa.Table:
         """Index rows (the latest per key) of those `keys` that are committed."""
@@ -207,6 +232,8 @@ def latest_per(table: pa.Table, columns: list[str]) -> pa.Table:
     """The last row (by written_at) for each distinct value of `columns`."""
     if table.num_rows == 0:
         return table
+    if len(columns) == 1 and pc.count_distinct(table[columns[0]]).as_py() == table.num_rows:
+        return table  # no duplicates (the usual case): skip the sort
     order = table.sort_by([(c, "ascending") for c in columns] + [("written_at", "ascending")])
     keys = [order[c] for c in columns]
     same_as_next = None
@@ -217,81 +244,100 @@ def latest_per(table: pa.Table, columns: list[str]) -> pa.Table:
     return order.filter(pa.array(last))
 
 
-def explain(idx: pa.Table, nodes: Sequence[Node]) -> dict[str, str]:
-    """Why each node must run: which part of its key differs from the last version of
-    the same (kind, partition) in the index `idx`; "new" if there is none, "missing"
-    if all parts match but the output is not committed."""
-    if not nodes:
-        return {}
-    if idx.num_rows == 0:
-        return {n.key: "new" for n in nodes}
-    last = latest_per(idx.select(["product", "date", "code", "params", "inputs", "written_at"]),
-                      ["product", "date"])  # fmt: skip
-    previous = {
-        (p, d): (c, pr, i)
-        for p, d, c, pr, i in zip(
-            *(last[c].to_pylist() for c in ("product", "date", "code", "params", "inputs")),
-            strict=True,
-        )
-    }
-    reasons = {}
-    for n in nodes:
-        prev = previous.get((n.partition.product, n.partition.date.isoformat()))
-        if prev is None:
-            reasons[n.key] = "new"
-            continue
-        changed = [
-            name
-            for name, old, new in zip(
-                ("code", "params", "input"), prev, (n.code, n.params, n.inputs), strict=True
-            )
-            if old != new
-        ]
-        reasons[n.key] = "+".join(changed) if changed else "missing"
-    return reasons
+# Why a node runs, by which parts of its key differ from the partition's last
+# committed node: bit 1 code, 2 params, 4 input; 8: the partition has none.
+_REASONS = pa.array(
+    ["missing", "code", "params", "code+params", "input", "code+input", "params+input",
+     "code+params+input", "new"]
+)  # fmt: skip
 
 
-def _columns(nodes: Sequence[Node], site: str) -> dict[str, list]:
-    return {
-        "key": [n.key for n in nodes],
-        "kind": [n.kind for n in nodes],
-        "product": [n.partition.product for n in nodes],
-        "date": [n.partition.date.isoformat() for n in nodes],
-        "site": [site] * len(nodes),
-        "code": [n.code for n in nodes],
-        "params": [n.params for n in nodes],
-        "inputs": [n.inputs for n in nodes],
-    }
+def explain(idx: pa.Table, nodes: pa.Table) -> pa.Array:
+    """Why each node (a row of a plan) must run: which part of its key differs from the
+    last version of the same (kind, partition) in the index `idx`; "new" if there is
+    none, "missing" if all parts match but the output is not committed."""
+    n = nodes.num_rows
+    if n == 0 or idx.num_rows == 0:
+        return pc.take(_REASONS, pa.array([8] * n, pa.int8()))
+    last = latest_per(
+        idx.select(["product", "date", "code", "params", "inputs", "written_at"]),
+        ["product", "date"],
+    ).select(["product", "date", "code", "params", "inputs"])
+    last = last.rename_columns(["product", "date", "last_code", "last_params", "last_inputs"])
+    joined = (
+        nodes.select(["product", "date", "code", "params", "digest"])
+        .append_column("row", pa.array(range(n), pa.int64()))
+        .join(last, keys=["product", "date"], join_type="left outer")
+        .sort_by("row")
+    )
+    reason = pc.multiply(pc.cast(pc.is_null(joined["last_code"]), pa.int8()), 8)
+    for bit, (now, before) in enumerate(
+        [("code", "last_code"), ("params", "last_params"), ("digest", "last_inputs")]
+    ):
+        differs = pc.fill_null(pc.not_equal(joined[now], joined[before]), False)
+        reason = pc.add(reason, pc.multiply(pc.cast(differs, pa.int8()), 1 << bit))
+    return pc.take(_REASONS, reason).combine_chunks()
+
+
+def node_table(nodes: Sequence[Node]) -> pa.Table:
+    """A plan as Arrow columns, from Node objects."""
+    return pa.table(
+        {
+            "key": [n.key for n in nodes],
+            "kind": [n.kind for n in nodes],
+            "product": [n.partition.product for n in nodes],
+            "date": [n.partition.date.isoformat() for n in nodes],
+            "code": [n.code for n in nodes],
+            "params": [n.params for n in nodes],
+            "url": [n.input.url for n in nodes],
+            "offset": [n.input.offset for n in nodes],
+            "length": [n.input.length for n in nodes],
+            "digest": [n.input.digest for n in nodes],
+        },
+        schema=NODES_SCHEMA,
+    )
 
 
 def run_batch(
     kind: NodeKind,
     params: Mapping[str, dict],
-    nodes: Sequence[Node],
+    nodes: pa.Table,
     store_root: str,
     site: str,
 ) -> pa.Table:
     """Compute a batch of nodes (one Dask task): read and verify each input, compute,
     pack the outputs, then commit the pack to the index. Returns manifest rows; the
-    outputs stay in storage, never travel to the driver."""
+    outputs stay in storage, never travel to the driver.
+
+    nodes: rows of a plan (NODES_SCHEMA), with a "reason" column when the caller
+    knows why they run.
+    """
     started = time.perf_counter()
     store = NodeStore(store_root)
     reader = storage.BlobReader()
     if kind.prepare is not None:
         params = {digest: kind.prepare(values) for digest, values in params.items()}
     pack = storage.PackWriter(store.pack_url(kind.name))
-    n = len(nodes)
+    n = nodes.num_rows
+    urls, offsets, lengths, digests, param_digests = (
+        nodes[c].to_pylist() for c in ("url", "offset", "length", "digest", "params")
+    )
+
+    def label(i: int) -> str:  # only for error messages
+        return f"{nodes['product'][i].as_py()}/{nodes['date'][i].as_py()}"
+
     seconds = [0.0] * n  # each node's own time: read, its share of compute, write
     errors: list[str] = [""] * n
     tables: list[pa.Table | None] = [None] * n
-    for i, node in enumerate(nodes):
+    for i in range(n):
         t0 = time.perf_counter()
         try:
-            tables[i] = reader.table(node.input)
+            blob = storage.Blob(urls[i], offsets[i], lengths[i], digests[i])
+            tables[i] = reader.table(blob)
         except Exception as exc:  # recorded per node; the caller reports every failure
-            errors[i] = f"{node.partition}: {type(exc).__name__}: {exc}"
+            errors[i] = f"{label(i)}: {type(exc).__name__}: {exc}"
         seconds[i] += time.perf_counter() - t0
-    outputs = _compute(kind, params, nodes, tables, seconds, errors)
+    outputs = _compute(kind, params, param_digests, tables, seconds, errors, label)
     out_cols: dict[str, list] = {
         k: [] for k in ("output_digest", "output_url", "output_offset", "output_length", "rows")
     }
@@ -301,6 +347,8 @@ def run_batch(
         if out is not None and not errors[i]:
             blob = pack.add(out)
             values = (blob.digest, blob.url, blob.offset, blob.length, out.num_rows)
+        # Done with the node's tables: freed now, on its clock, not all at the end.
+        tables[i] = outputs[i] = out = None
         for name, v in zip(out_cols, values, strict=True):
             out_cols[name].append(v)
         seconds[i] += time.perf_counter() - t0
@@ -313,22 +361,22 @@ def run_batch(
         for i, length in enumerate(out_cols["output_length"]):
             seconds[i] += length * per_byte
     out_cols["duration_s"] = seconds
-    out_cols["status"] = ["failed" if e else "ok" for e in errors]
-    out_cols["error"] = errors
-    n = len(nodes)
+    reason = nodes["reason"] if "reason" in nodes.column_names else [""] * n
     rows = pa.table(
         {
-            **_columns(nodes, site),
-            **{k: out_cols[k] for k in ("output_digest", "output_url", "output_offset",
-                                         "output_length", "rows", "duration_s")},
+            **{c: nodes[c] for c in ("key", "kind", "product", "date")},
+            "site": [site] * n,
+            **{c: nodes[c] for c in ("code", "params")},
+            "inputs": nodes["digest"],
+            **out_cols,
             "cache_hit": [False] * n,
-            "status": out_cols["status"],
-            "reason": [""] * n,
-            "error": out_cols["error"],
+            "status": ["failed" if e else "ok" for e in errors],
+            "reason": reason,
+            "error": errors,
         },
         schema=MANIFEST_SCHEMA,
-    )  # fmt: skip
-    ok = rows.filter(pc.equal(rows["status"], "ok"))
+    )
+    ok = rows.filter(pc.equal(rows["status"], "ok")) if any(errors) else rows
     if ok.num_rows:
         now = dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
         store.commit(
@@ -344,10 +392,11 @@ def run_batch(
 def _compute(
     kind: NodeKind,
     params: Mapping[str, Any],
-    nodes: Sequence[Node],
+    param_digests: Sequence[str],
     tables: list[pa.Table | None],
     seconds: list[float],
     errors: list[str],
+    label: Callable[[int], str],
 ) -> list[pa.Table | None]:
     """Outputs of the nodes whose input was read; failures go to `errors`.
 
@@ -355,15 +404,15 @@ def _compute(
     computed in one call and each is charged an equal share of its time; if that
     call fails, its nodes are computed one by one so only the bad ones fail.
     """
-    outputs: list[pa.Table | None] = [None] * len(nodes)
+    outputs: list[pa.Table | None] = [None] * len(tables)
     singles: list[int] = []
     if kind.compute_many is None:
         singles = [i for i, t in enumerate(tables) if t is not None]
     else:
         groups: dict[tuple, list[int]] = {}
-        for i, (node, table) in enumerate(zip(nodes, tables, strict=True)):
+        for i, (digest, table) in enumerate(zip(param_digests, tables, strict=True)):
             if table is not None:
-                groups.setdefault((node.params, tuple(table.schema.names)), []).append(i)
+                groups.setdefault((digest, tuple(table.schema.names)), []).append(i)
         for (digest, _), members in groups.items():
             t0 = time.perf_counter()
             try:
@@ -378,9 +427,9 @@ def _compute(
     for i in singles:
         t0 = time.perf_counter()
         try:
-            outputs[i] = kind.compute(tables[i], params[nodes[i].params])
+            outputs[i] = kind.compute(tables[i], params[param_digests[i]])
         except Exception as exc:  # recorded per node; the caller reports every failure
-            errors[i] = f"{nodes[i].partition}: {type(exc).__name__}: {exc}"
+            errors[i] = f"{label(i)}: {type(exc).__name__}: {exc}"
         seconds[i] += time.perf_counter() - t0
     return outputs
 
@@ -428,7 +477,7 @@ class RunResult:
 def run_nodes(
     kind: NodeKind,
     params: Mapping[str, dict],
-    nodes: Sequence[Node],
+    nodes: Sequence[Node] | pa.Table,
     store: NodeStore,
     *,
     client: Any | None = None,
@@ -438,6 +487,8 @@ def run_nodes(
 ) -> RunResult:
     """Run the nodes that are not cached; returns the manifest of all of them.
 
+    nodes: Node objects, or a plan table (NODES_SCHEMA) as the planner builds for
+      large runs.
     params: parameter dicts by their digest (`Node.params`); products may differ.
     client: a `distributed.Client` (the site's cluster); None runs in-process.
     progress(done, total) is called as batches finish.
@@ -445,57 +496,55 @@ def run_nodes(
       not one per shard).
     """
     t0 = time.perf_counter()
+    plan = nodes if isinstance(nodes, pa.Table) else node_table(nodes)
+    total = plan.num_rows
     index = store.index(kind.name) if index is None else index
-    keys = pa.array([n.key for n in nodes], pa.string())
+    keys = plan["key"].combine_chunks()
     hits = latest_per(index.filter(pc.is_in(index["key"], value_set=keys)), ["key"])
-    hit_keys = set(hits["key"].to_pylist())
-    todo = [n for n in nodes if n.key not in hit_keys]
+    todo = plan
+    if hits.num_rows:
+        todo = plan.filter(pc.invert(pc.is_in(keys, value_set=hits["key"].combine_chunks())))
     parts = [_hit_rows(hits, site)] if hits.num_rows else []
     done = hits.num_rows
     if progress:
-        progress(done, len(nodes))
+        progress(done, total)
     size = 0
-    if todo:
-        reasons = explain(index, todo)
+    if todo.num_rows:
+        todo = todo.append_column("reason", explain(index, todo))
         workers = len(client.scheduler_info()["workers"]) if client is not None else 1
         node_s, fixed_s = typical_node_s(index), 0.0
         computed: list[pa.Table] = []
-        if node_s is None and client is not None and len(todo) > 4 * PROBE_NODES:
+        if node_s is None and client is not None and todo.num_rows > 4 * PROBE_NODES:
             # No history: two probe batches of different sizes give the fixed cost of a
             # task and the cost of one more node; their results are kept.
-            small, large = todo[: PROBE_NODES // 8], todo[PROBE_NODES // 8 : PROBE_NODES]
-            todo = todo[PROBE_NODES:]
+            first_n = PROBE_NODES // 8
+            small, large = todo.slice(0, first_n), todo.slice(first_n, PROBE_NODES - first_n)
+            todo = todo.slice(PROBE_NODES)
             first = _submit(client, kind, params, [small, large], store.root, site)
             computed += first
             done += sum(t.num_rows for t in first)
             if progress:
-                progress(done, len(nodes))
+                progress(done, total)
             (n1, t1), (n2, t2) = ((t.num_rows, _batch_s(t)) for t in first)
             node_s = max((t2 - t1) / (n2 - n1), 1e-6) if t2 > t1 else t2 / n2
             fixed_s = max(t1 - n1 * node_s, 0.0)
-        size = batch_size(len(todo), workers, node_s or TARGET_TASK_S, fixed_s)
-        groups = [todo[i : i + size] for i in range(0, len(todo), size)]
+        size = batch_size(todo.num_rows, workers, node_s or TARGET_TASK_S, fixed_s)
+        groups = [todo.slice(i, size) for i in range(0, todo.num_rows, size)]
         for batch_rows in _submit_iter(client, kind, params, groups, store.root, site):
             computed.append(batch_rows)
             done += batch_rows.num_rows
             if progress:
-                progress(done, len(nodes))
-        ran = pa.concat_tables(computed)
-        ran = ran.set_column(
-            ran.schema.get_field_index("reason"),
-            "reason",
-            pa.array([reasons[k] for k in ran["key"].to_pylist()], pa.string()),
-        )
-        parts.append(ran)
+                progress(done, total)
+        parts.append(pa.concat_tables(computed).replace_schema_metadata(None))
     manifest = pa.concat_tables(parts) if parts else MANIFEST_SCHEMA.empty_table()
     # Stable order, whatever order the batches finished in.
     manifest = manifest.sort_by([("product", "ascending"), ("date", "ascending")])
     failed = pc.sum(pc.equal(manifest["status"], "failed")).as_py() or 0
     return RunResult(
         manifest=manifest,
-        nodes=len(nodes),
+        nodes=total,
         cache_hits=hits.num_rows,
-        computed=len(nodes) - hits.num_rows - failed,
+        computed=total - hits.num_rows - failed,
         failed=failed,
         wall_s=time.perf_counter() - t0,
         batch_size=size,
@@ -519,43 +568,15 @@ def _hit_rows(hits: pa.Table, site: str) -> pa.Table:
     )  # fmt: skip
 
 
-def node_columns(nodes: Sequence[Node]) -> pa.Table:
-    """Nodes as Arrow columns: what a batch sends to its worker. Pickling 10^4 node
-    objects costs the driver ~0.15 s per batch; an Arrow table a few milliseconds."""
-    return pa.table(
-        {
-            "kind": [n.kind for n in nodes],
-            "product": [n.partition.product for n in nodes],
-            "date": [n.partition.date for n in nodes],
-            "code": [n.code for n in nodes],
-            "params": [n.params for n in nodes],
-            "url": [n.input.url for n in nodes],
-            "offset": [n.input.offset for n in nodes],
-            "length": [n.input.length for n in nodes],
-            "digest": [n.input.digest for n in nodes],
-        }
-    )
-
-
-def nodes_from_columns(table: pa.Table) -> list[Node]:
-    cols = [table[c].to_pylist() for c in table.column_names]
-    return [
-        Node(kind, Partition.trusted(product, date), code, params,
-             storage.Blob(url, offset, length, digest))
-        for kind, product, date, code, params, url, offset, length, digest in zip(*cols,
-                                                                                  strict=True)
-    ]  # fmt: skip
-
-
-def _run_batch_columns(kind, params, columns: pa.Table, root: str, site: str) -> pa.Table:
-    return run_batch(kind, params, nodes_from_columns(columns), root, site)
+def _run_batch_ipc(kind, params, data: bytes, root: str, site: str) -> pa.Table:
+    return run_batch(kind, params, storage.decode_table(data), root, site)
 
 
 def _submit(client, kind, params, groups, root, site) -> list[pa.Table]:
     return list(_submit_iter(client, kind, params, groups, root, site))
 
 
-def _submit_iter(client, kind, params, groups, root, site):
+def _submit_iter(client, kind, params, groups: list[pa.Table], root, site):
     if client is None:
         for g in groups:
             yield run_batch(kind, params, g, root, site)
@@ -563,11 +584,13 @@ def _submit_iter(client, kind, params, groups, root, site):
     from distributed import as_completed
 
     # kind and params travel inside each task (small); scattered data would be lost
-    # with a dying worker, and the batch could not be retried elsewhere.
+    # with a dying worker, and the batch could not be retried elsewhere. A batch goes
+    # as an IPC stream: pickling a slice of a table would send the whole table.
     params = dict(params)
     futures = [
-        client.submit(_run_batch_columns, kind, params, node_columns(g), root, site, pure=False)
+        client.submit(_run_batch_ipc, kind, params, storage.arrow_bytes(g), root, site,
+                      pure=False)
         for g in groups
-    ]
+    ]  # fmt: skip
     for future in as_completed(futures):
         yield future.result()

@@ -14,8 +14,8 @@ import pytest
 from tasks import storage
 from tasks.catalog import Catalog
 from tasks.features import FeatureParams, features_node
-from tasks.nodes import NodeKind, NodeStore, batch_size, run_nodes
-from tasks.planning import feature_kind, plan_feature_nodes, product_params
+from tasks.nodes import NodeKind, NodeStore, batch_size, node_table, run_nodes
+from tasks.planning import feature_kind, plan_feature_nodes, plan_feature_table, product_params
 from tasks.schema import Partition
 from tests.books import random_book
 
@@ -127,6 +127,55 @@ def test_changed_code_and_input_are_explained(landed):
     result = run_nodes(edited, params, nodes, store)
     assert result.computed == 1
     assert not_hits(result)["reason"].to_pylist() == ["input"]
+
+
+def test_reasons_name_every_changed_part(landed):
+    catalog, store = landed
+    kind, nodes, params = plan(catalog)
+    run_nodes(kind, params, nodes, store)
+    # code and params of AAA change together; BBB keeps its params, so only code
+    edited = NodeKind(kind.name, kind.compute, code="edited", prepare=kind.prepare)
+    _, nodes, params = plan(catalog, {"AAA": {"ofi_window": 7}}, kind=edited)
+    result = run_nodes(edited, params, nodes, store)
+    reasons = dict(zip(result.manifest["product"].to_pylist(),
+                       result.manifest["reason"].to_pylist(), strict=False))  # fmt: skip
+    assert reasons == {"AAA": "code+params", "BBB": "code"}
+
+
+def test_plan_table_matches_node_objects(landed):
+    """The columnar planner (10^5-node runs) gives exactly the nodes the object planner
+    gives, and runs them the same way."""
+    catalog, store = landed
+    kind, nodes, params = plan(catalog, {"BBB": {"ofi_window": 12}})
+    per = product_params(FeatureParams(), {"BBB": {"ofi_window": 12}}, PRODUCTS)
+    table, by_digest = plan_feature_table(catalog.table("test"), per, kind)
+    assert by_digest == params
+    assert table.equals(node_table(nodes))
+    from_table = run_nodes(kind, params, table, store)
+    assert from_table.computed == 4
+    assert run_nodes(kind, params, nodes, store).cache_hits == 4
+
+
+def test_catalog_table_follows_every_write(tmp_path):
+    """The columnar snapshot is per version: a re-landed partition shows at once."""
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = str(tmp_path / "store")
+    parts = [(Partition(x, d), random_book(200, seed=i)) for i, (x, d) in
+             enumerate((x, d) for x in PRODUCTS for d in DATES)]  # fmt: skip
+    catalog.land_packed("d", parts, root=root)
+    first = catalog.table("d")
+    expected = [(e.partition.product, e.partition.date.isoformat(), e.digest)
+                for e in catalog.entries("d")]  # fmt: skip
+    rows = zip(*(first[c].to_pylist() for c in ("product", "date", "digest")), strict=True)
+    assert list(rows) == expected
+    changed = catalog.land("d", parts[0][0], random_book(200, seed=99), root=root)
+    second = catalog.table("d")
+    assert second["digest"][0].as_py() == changed.entry.digest != first["digest"][0].as_py()
+    assert second.slice(1).equals(first.slice(1))
+    snapshots = list((tmp_path / "catalog.sqlite.snapshots").iterdir())
+    assert len(snapshots) == 1  # the old version's snapshot is gone
+    assert Catalog(tmp_path / "catalog.sqlite").table("d").equals(second)
+    assert catalog.table("other").num_rows == 0
 
 
 def test_unindexed_pack_and_temp_files_are_not_hits(landed):

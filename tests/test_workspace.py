@@ -9,7 +9,7 @@ import pytest
 from blocks.catalog import DataCatalog
 from blocks.site import Site
 from blocks.tracking import MlflowTracking
-from quantloop.workspace import Workspace
+from quantloop.workspace import Selection, Workspace
 from tasks.schema import Partition
 from tests.books import random_book
 
@@ -42,3 +42,36 @@ def test_saved_blocks_are_used_by_name(prefect_api, tmp_path):
 def test_unknown_workspace_field_is_an_error():
     with pytest.raises(ValueError, match="catalog_block"):
         Workspace(catalog_block="x")
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [
+        Selection(dataset="d"),
+        Selection(dataset="d", products=["BBB"]),
+        Selection(dataset="d", start=dt.date(2026, 1, 6)),
+        Selection(dataset="d", products=["AAA"], end=dt.date(2026, 1, 5)),
+    ],
+)
+def test_selection_as_rows_and_as_columns_agree(tmp_path, selection):
+    ws = Workspace(home=str(tmp_path))
+    catalog = ws.catalog()
+    days = [dt.date(2026, 1, 5), dt.date(2026, 1, 6), dt.date(2026, 1, 7)]
+    parts = [(Partition(p, d), random_book(50, seed=i)) for i, (p, d) in
+             enumerate((p, d) for p in ("AAA", "BBB") for d in days)]  # fmt: skip
+    catalog.land_packed("d", parts, root=str(tmp_path / "store"))
+    rows = [(e.partition.product, e.partition.date.isoformat()) for e in selection.entries(catalog)]
+    table = selection.table(catalog)
+    assert list(zip(table["product"].to_pylist(), table["date"].to_pylist(), strict=True)) == rows
+    assert rows
+
+
+def test_selection_names_what_is_missing(tmp_path):
+    catalog = Workspace(home=str(tmp_path)).catalog()
+    catalog.land_packed("d", [(Partition("AAA", dt.date(2026, 1, 5)), random_book(50))],
+                        root=str(tmp_path / "store"))  # fmt: skip
+    for how in (Selection.entries, Selection.table):
+        with pytest.raises(ValueError, match=r"no partitions for products \['ZZZ'\]"):
+            how(Selection(dataset="d", products=["AAA", "ZZZ"]), catalog)
+        with pytest.raises(ValueError, match="known datasets: \\['d'\\]"):
+            how(Selection(dataset="nope"), catalog)
