@@ -206,7 +206,7 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
     from prefect.task_runners import ThreadPoolTaskRunner
     from prefect_dask import DaskTaskRunner
 
-    from blocks.site import Site
+    from blocks.site import WORKER_PRELOAD, Site
     from flows.features import features, plan
     from quantloop.workspace import Selection, Workspace
     from tasks import tracking
@@ -216,9 +216,11 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
         imbalance_levels=2, return_lags=(1, 5), vol_windows=(10,), ofi_window=10,
         label_horizons=(5, 10),
     )  # fmt: skip
+    # Started as a site's workers are (infra/dask/site.sh): node code preloaded.
     with LocalCluster(
-        n_workers=args.workers, threads_per_worker=1, dashboard_address=None, silence_logs=40
-    ) as cluster:
+        n_workers=args.workers, threads_per_worker=1, dashboard_address=None, silence_logs=40,
+        preload=list(WORKER_PRELOAD),
+    ) as cluster:  # fmt: skip
         site = Site(name="bench", scheduler_address=cluster.scheduler_address,
                     storage_root=str(work / "store"))  # fmt: skip
         site.save("fanout-bench", overwrite=True)

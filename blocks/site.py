@@ -9,6 +9,10 @@ from collections.abc import Iterator
 from prefect.blocks.core import Block
 from pydantic import Field, model_validator
 
+# Imported by every Dask worker as it starts (Dask's preload), so the first batch of
+# a run does not pay for importing the node code (~0.3 s per fresh worker here).
+WORKER_PRELOAD = ("tasks.planning",)
+
 
 class Site(Block):
     """A place that runs work: a Dask cluster (or a local one) and its storage root.
@@ -83,6 +87,7 @@ class Site(Block):
                 processes=True,
                 dashboard_address=None,
                 silence_logs=40,
+                preload=list(WORKER_PRELOAD),
             ) as cluster,
             Client(cluster) as client,
         ):

@@ -17,11 +17,13 @@ case "$2" in
     ;;
   worker)
     # One process per core, one thread each: feature nodes are NumPy-heavy Python
-    # and hold the GIL, so threads would only queue behind each other.
+    # and hold the GIL, so threads would only queue behind each other. The preload
+    # imports the node code as a worker starts (blocks/site.py WORKER_PRELOAD), not
+    # in the middle of a run's first batch.
     exec "$dask" worker "tcp://$SCHEDULER_HOST:$SCHEDULER_PORT" \
       --name "$SITE-$(hostname -s)" \
       --nworkers "$NWORKERS" --nthreads 1 --memory-limit "$MEMORY_LIMIT" \
-      --local-directory "$LOCAL_DIR"
+      --local-directory "$LOCAL_DIR" --preload tasks.planning
     ;;
   *)
     echo "unknown role $2 (scheduler or worker)" >&2
