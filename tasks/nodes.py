@@ -434,13 +434,16 @@ def _compute(
     return outputs
 
 
-def batch_size(n: int, workers: int, node_s: float, fixed_s: float = 0.0) -> int:
+def batch_size(n: int, workers: int, node_s: float | None, fixed_s: float = 0.0) -> int:
     """Nodes per Dask task: at least TARGET_TASK_S of work, and enough that the task's
     fixed cost (reading packs, writing its pack and index segment) stays under a tenth
-    of it; yet several tasks per worker, so the last ones end together."""
+    of it; yet several tasks per worker, so the last ones end together. With no
+    measure of the work (node_s None: a small first run), only the balance decides."""
+    by_balance = max(1, math.ceil(n / (workers * MIN_TASKS_PER_WORKER)))
+    if node_s is None:
+        return by_balance
     task_s = max(TARGET_TASK_S, 10 * fixed_s)
     by_work = max(1, int(task_s / max(node_s, 1e-6)))
-    by_balance = max(1, math.ceil(n / (workers * MIN_TASKS_PER_WORKER)))
     return min(by_work, by_balance)
 
 
@@ -528,7 +531,7 @@ def run_nodes(
             (n1, t1), (n2, t2) = ((t.num_rows, _batch_s(t)) for t in first)
             node_s = max((t2 - t1) / (n2 - n1), 1e-6) if t2 > t1 else t2 / n2
             fixed_s = max(t1 - n1 * node_s, 0.0)
-        size = batch_size(todo.num_rows, workers, node_s or TARGET_TASK_S, fixed_s)
+        size = batch_size(todo.num_rows, workers, node_s, fixed_s)
         groups = [todo.slice(i, size) for i in range(0, todo.num_rows, size)]
         for batch_rows in _submit_iter(client, kind, params, groups, store.root, site):
             computed.append(batch_rows)

@@ -258,6 +258,7 @@ def test_batch_size_follows_work_per_node():
     assert batch_size(100_000, 2, 0.0002) == 2_500  # tiny nodes: 0.5 s of work per task
     assert batch_size(100_000, 2, 0.5) == 1  # heavy nodes: one per task
     assert batch_size(40, 2, 0.0001) == 5  # few nodes: still 4 tasks per worker
+    assert batch_size(1_000, 2, None) == 125  # no measure yet: balance alone
 
 
 def test_compaction_keeps_every_key(landed):
