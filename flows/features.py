@@ -74,16 +74,24 @@ def feature_shard(
     index: pa.Table | None = None,
 ) -> RunResult:
     # Progress the researcher sees in the Prefect UI; each update is an API call that
-    # costs the server CPU, so a shard sends one every few seconds.
-    artifact = create_progress_artifact(0.0, description=f"feature nodes of shard {shard}")
+    # costs the server CPU, so a shard sends one every few seconds. The artifact is
+    # made at the first report, which comes once the shard's first batches are
+    # submitted: the workers start while this call goes to the server.
+    artifact: list = []
     last = [0.0]
 
     def report(done: int, total: int) -> None:
         progress.report(f"features {shard}", done, total)
         now = time.monotonic()
-        if done == total or now - last[0] >= PROGRESS_EVERY_S:
+        percent = 100.0 * done / max(total, 1)
+        if not artifact:
+            artifact.append(
+                create_progress_artifact(percent, description=f"feature nodes of shard {shard}")
+            )
             last[0] = now
-            update_progress_artifact(artifact, 100.0 * done / max(total, 1))
+        elif done == total or now - last[0] >= PROGRESS_EVERY_S:
+            last[0] = now
+            update_progress_artifact(artifact[0], percent)
 
     result = run_nodes(
         kind,

@@ -14,7 +14,7 @@ import pytest
 from tasks import storage
 from tasks.catalog import Catalog
 from tasks.features import FeatureParams, features_node
-from tasks.nodes import NodeKind, NodeStore, batch_size, node_table, run_nodes
+from tasks.nodes import NodeKind, NodeStore, batch_size, node_table, run_batch, run_nodes
 from tasks.planning import feature_kind, plan_feature_nodes, plan_feature_table, product_params
 from tasks.schema import Partition
 from tests.books import random_book
@@ -227,6 +227,32 @@ def test_failing_batched_compute_isolates_the_bad_nodes(landed):
     result = run_nodes(mixed, params, nodes, store)
     assert (result.computed, result.failed) == (2, 2)
     assert all("BBB/" in e and "boom" in e for e in result.failures)
+
+
+def test_batch_of_mixed_depths_is_computed_per_layout(tmp_path):
+    """A batch holding books of two depths (different columns) makes one vectorized
+    call per layout, and every output is what the node gives alone."""
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = str(tmp_path / "store")
+    parts = [(Partition(p, d), random_book(300, levels=2 if p == "AAA" else 5, seed=i))
+             for i, (p, d) in enumerate((p, d) for p in PRODUCTS for d in DATES)]  # fmt: skip
+    catalog.land_packed("mixed", parts, root=root)
+    kind, nodes, params = plan(catalog, dataset="mixed")
+    calls = []
+
+    def many(books, p):
+        calls.append({b.num_columns for b in books})
+        return kind.compute_many(books, p)
+
+    counting = NodeKind(kind.name, kind.compute, kind.code, kind.prepare, compute_many=many)
+    rows = run_batch(counting, params, node_table(nodes), root, "local")  # one batch
+    assert rows["status"].to_pylist() == ["ok"] * 4
+    assert len(calls) == 2 and all(len(c) == 1 for c in calls)
+    store = NodeStore(root)
+    for node, (_, book) in zip(nodes, parts, strict=True):
+        [row] = store.existing(kind.name, [node.key]).to_pylist()
+        alone = kind.compute(book, kind.prepare(params[node.params]))
+        assert storage.arrow_bytes(store.read(row)) == storage.arrow_bytes(alone)  # NaNs too
 
 
 def test_input_changed_in_place_is_refused(landed):

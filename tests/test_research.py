@@ -14,6 +14,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterKey,
+    ArtifactFilterType,
     FlowRunFilter,
     FlowRunFilterId,
 )
@@ -85,6 +86,15 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
                                                for r in stages.values())  # fmt: skip
     features = stages["features"]
     assert features.data.metrics["cache_hits"] == 0 and features.data.metrics["computed"] == 6
+    # Shard progress in the Prefect UI: a progress artifact per shard, at 100% when done.
+    with get_client(sync_client=True) as prefect:
+        progress = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])),
+            flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[features.data.tags["prefect_flow_run_id"]])
+            ),
+        )
+    assert [a.data for a in progress] == [100.0]
     assert len(features.data.params["code_fingerprint"]) == 64
     manifest_path = client.download_artifacts(
         features.info.run_id, "manifest/features_manifest.parquet", str(tmp_path)
