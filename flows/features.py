@@ -12,7 +12,8 @@ import datetime as dt
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -137,17 +138,12 @@ def save_params(root: str, by_digest: Mapping[str, dict]) -> None:
             storage.write_bytes_atomic(url, json.dumps(values, sort_keys=True).encode())
 
 
-def save_manifest(root: str, kind: str, manifest: pa.Table) -> tuple[str, bytes]:
-    """The run's node records, beside the outputs: what `quantloop nodes` queries.
-
-    Returns the URL and the Parquet bytes (serialized once, also MLflow's artifact).
-    """
+def manifest_url(root: str, kind: str) -> str:
+    """Where this run's node records go, beside the outputs: what `quantloop nodes`
+    queries (one Parquet file per run)."""
     run_id = flow_run.id or uuid.uuid4().hex
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
-    url = storage.join(root, "manifests", kind, f"{stamp}-{run_id}.parquet")
-    data = storage.parquet_bytes(manifest)
-    storage.write_bytes_atomic(url, data)
-    return url, data
+    return storage.join(root, "manifests", kind, f"{stamp}-{run_id}.parquet")
 
 
 def plan(
@@ -239,13 +235,19 @@ def features(
         logger.info(
             "recomputed because: %s", ", ".join(f"{k} changed: {v}" for k, v in reasons.items())
         )
-    manifest_url, manifest_bytes = save_manifest(site.root, kind.name, manifest)
-    logger.info("node manifest: %s", manifest_url)
-    if parent_run_id is not None:
-        run_id = record(
-            workspace, parent_run_id, kind, by_digest, site.name, result, manifest_bytes
-        )
-        result = dataclasses.replace(result, mlflow_run_id=run_id)
+    url = manifest_url(site.root, kind.name)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        # The manifest is encoded once (for its file and MLflow's artifact) while the
+        # MLflow run is made: Parquet encoding releases the GIL, MLflow calls wait on I/O.
+        encoded = pool.submit(storage.parquet_bytes, manifest)
+        written = pool.submit(lambda: storage.write_bytes_atomic(url, encoded.result()))
+        if parent_run_id is not None:
+            run_id = record(
+                workspace, parent_run_id, kind, by_digest, site.name, result, encoded.result
+            )
+            result = dataclasses.replace(result, mlflow_run_id=run_id)
+        written.result()
+    logger.info("node manifest: %s", url)
     if result.failed:
         lines = "\n  ".join(result.failures[:20])
         raise NodeFailures(
@@ -262,7 +264,7 @@ def record(
     params: Mapping[str, dict],
     site: str,
     result: RunResult,
-    manifest_bytes: bytes,
+    manifest_bytes: Callable[[], bytes],
 ) -> str:
     """One MLflow child run for the stage: summary metrics and the manifest, no per-node call."""
     m = result.manifest
@@ -286,7 +288,7 @@ def record(
                 **{f"recomputed.{k}": v for k, v in why_recomputed(m).items()},
             }
         )
-        run.file(manifest_bytes, "features_manifest.parquet", "manifest")
+        run.file(manifest_bytes(), "features_manifest.parquet", "manifest")
         return run.run_id
 
 

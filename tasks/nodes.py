@@ -536,7 +536,7 @@ def run_nodes(
             if progress:  # after submitting: the workers start while this reports
                 progress(done, total)
                 reported = True
-            first = list(pending)
+            first = [rows for _, rows in sorted(pending, key=lambda item: item[0])]
             computed += first
             done += sum(t.num_rows for t in first)
             (n1, t1), (n2, t2) = ((t.num_rows, _batch_s(t)) for t in first)
@@ -547,17 +547,19 @@ def run_nodes(
         pending = _start(client, kind, params, groups, store.root, site)
         if progress and not reported:
             progress(done, total)
-        for batch_rows in pending:
-            computed.append(batch_rows)
+        finished: list[pa.Table | None] = [None] * len(groups)
+        for i, batch_rows in pending:
+            finished[i] = batch_rows
             done += batch_rows.num_rows
             if progress:
                 progress(done, total)
-        parts.append(pa.concat_tables(computed).replace_schema_metadata(None))
+        # in plan order, whatever order the batches finished in
+        parts.append(pa.concat_tables(computed + finished).replace_schema_metadata(None))
     elif progress:
         progress(done, total)
     manifest = pa.concat_tables(parts) if parts else MANIFEST_SCHEMA.empty_table()
-    # Stable order, whatever order the batches finished in.
-    manifest = manifest.sort_by([("product", "ascending"), ("date", "ascending")])
+    if hits.num_rows:  # index rows come in the index's order: put them in the plan's
+        manifest = manifest.take(pc.sort_indices(pc.index_in(manifest["key"], value_set=keys)))
     failed = pc.sum(pc.equal(manifest["status"], "failed")).as_py() or 0
     return RunResult(
         manifest=manifest,
@@ -591,11 +593,13 @@ def _run_batch_ipc(kind, params, data: bytes, root: str, site: str) -> pa.Table:
     return run_batch(kind, params, storage.decode_table(data), root, site)
 
 
-def _start(client, kind, params, groups: list[pa.Table], root, site) -> Iterator[pa.Table]:
-    """Submit every batch now; the iterator yields their manifest rows as they finish
-    (in-process without a client: each batch runs when the iterator reaches it)."""
+def _start(
+    client, kind, params, groups: list[pa.Table], root, site
+) -> Iterator[tuple[int, pa.Table]]:
+    """Submit every batch now; the iterator yields (batch number, manifest rows) as
+    they finish (in-process without a client: each batch runs when reached)."""
     if client is None:
-        return (run_batch(kind, params, g, root, site) for g in groups)
+        return ((i, run_batch(kind, params, g, root, site)) for i, g in enumerate(groups))
     from distributed import as_completed
 
     # kind and params travel inside each task (small); scattered data would be lost
@@ -607,4 +611,5 @@ def _start(client, kind, params, groups: list[pa.Table], root, site) -> Iterator
                       pure=False)
         for g in groups
     ]  # fmt: skip
-    return (future.result() for future in as_completed(futures))
+    number = {f.key: i for i, f in enumerate(futures)}
+    return ((number[f.key], f.result()) for f in as_completed(futures))

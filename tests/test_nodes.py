@@ -74,6 +74,11 @@ def test_rerun_is_all_cache_hits_and_changed_param_reruns_only_its_nodes(landed)
     assert (changed.computed, changed.cache_hits) == (2, 2)
     assert set(not_hits(changed)["product"].to_pylist()) == {"BBB"}
     assert set(not_hits(changed)["reason"].to_pylist()) == {"params"}
+    # hits and computed rows together, in the plan's order
+    order = [n.key for n in nodes]
+    assert changed.manifest["key"].to_pylist() == order
+    assert changed.manifest["cache_hit"].to_pylist() == [True, True, False, False]
+    assert run_nodes(kind, params, nodes[::-1], store).manifest["key"].to_pylist() == order[::-1]
 
 
 def test_manifest_rows_are_complete(landed):
@@ -314,6 +319,7 @@ def test_dask_cluster_gives_same_outputs(landed):
         local.manifest.sort_by("key")["output_digest"]
     )
     assert set(remote.manifest["site"].to_pylist()) == {"pool"}
+    assert remote.manifest["key"].to_pylist() == [n.key for n in nodes]  # plan order
 
 
 def test_worker_killed_mid_batch_leaves_nothing_half_done(landed, tmp_path):
