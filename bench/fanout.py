@@ -267,7 +267,7 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
                 cache_hits=result.cache_hits, failed=result.failed,
                 nodes_per_s=result.nodes / wall, node_compute_s=compute_s,
                 efficiency=compute_s / args.workers / wall if result.computed else None,
-                batch_size=result.batch_size,
+                batch_size=result.batch_size, batches=result.batches,
                 recomputed_products=sorted(set(ran["product"].to_pylist()))[:5],
             )  # fmt: skip
             print(f"{name}: {result.nodes} nodes, {result.computed} computed in {wall:.2f} s",
@@ -360,7 +360,7 @@ def report(args, results: dict) -> None:
           f"cold node rate is this run's rate.")  # fmt: skip
     print(
         f"(a) scheduling efficiency (node compute s / {args.workers} workers / wall s): "
-        f"{a['efficiency']:.2f}; batch size chosen: {a['batch_size']} nodes per Dask task"
+        f"{a['efficiency']:.2f}; {a['batches']} Dask tasks of up to {a['batch_size']} nodes"
     )
     summary = {
         "nodes": a["nodes"],
@@ -433,9 +433,9 @@ def markdown(summary: dict) -> str:
         f"{', '.join(f'{w:.2f}' for w in summary['cold_s_repeats'])}; efficiency: "
         f"{', '.join(f'{e:.2f}' for e in summary['efficiency_repeats'])}). "
         "Scheduling efficiency of (a) (node compute "
-        f"seconds / workers / wall seconds): {summary['efficiency']:.2f}; the engine chose "
-        f"{a['batch_size']:,} nodes per Dask task. Peak RSS is the whole process tree "
-        "(driver, Dask scheduler and workers, Prefect server).",
+        f"seconds / workers / wall seconds): {summary['efficiency']:.2f}; the engine ran "
+        f"{a.get('batches', 0):,} Dask tasks of up to {a['batch_size']:,} nodes. Peak RSS is "
+        "the whole process tree (driver, Dask scheduler and workers, Prefect server).",
         "",
     ]
     return "\n".join(lines)

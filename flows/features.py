@@ -222,6 +222,7 @@ def features(
         failed=sum(r.failed for r in results),
         wall_s=time.perf_counter() - t0,  # planning included; shards overlap
         batch_size=max((r.batch_size for r in results), default=0),
+        batches=sum(r.batches for r in results),
     )
     logger.info(
         "features: %d nodes, %d cache hits, %d computed, %d failed",

@@ -74,11 +74,12 @@ MANIFEST_SCHEMA = pa.schema(
     ]
 )
 
-# A Dask task should hold about this much node work: long enough to bury Dask's
-# per-task cost (~3 ms here), short enough to balance load across workers.
-TARGET_TASK_S = 0.5
-MIN_TASKS_PER_WORKER = 4  # ... and every worker gets several tasks to even out the tail
-PROBE_NODES = 256  # nodes in the two probe batches (1/8 and 7/8) when there is no history
+# A Dask task should hold about this much node work: long enough to bury its fixed
+# cost (Dask's ~3 ms, reading packs, writing a pack and an index segment); the load
+# balance at the end comes from batches shrinking as the work runs out.
+TARGET_TASK_S = 1.0
+IN_FLIGHT_PER_WORKER = 2  # one running, one waiting: a worker never waits on the driver
+FIRST_BATCH_NODES = 256  # batch size until the work per node has been measured
 BATCH_S = "quantloop.batch_s"  # manifest-table metadata: the batch task's wall time
 
 
@@ -409,21 +410,17 @@ def _compute(
     if kind.compute_many is None:
         singles = [i for i, t in enumerate(tables) if t is not None]
     else:
-        # groups of one parameter set and one input schema (a book's depth decides its
-        # columns); schemas compare in ~0.2 us, where building a key of names costs 2 us
-        groups: list[tuple[str, pa.Schema, list[int]]] = []
-        last: tuple[str, pa.Schema, list[int]] | None = None
+        # Groups of one parameter set and one input layout (a book's depth decides its
+        # columns). Keyed by column count: comparing schemas costs ~6 us a node here,
+        # more than the node's share of the compute; a group that still mixes layouts
+        # fails in compute_many and falls back to one node at a time, so the key only
+        # has to be right in the common case, never for correctness.
+        by_key: dict[tuple[str, int], list[int]] = {}
         for i, (digest, table) in enumerate(zip(param_digests, tables, strict=True)):
-            if table is None:
-                continue
-            schema = table.schema
-            if last is None or last[0] != digest or last[1] != schema:
-                last = next((g for g in groups if g[0] == digest and g[1] == schema), None)
-                if last is None:
-                    last = (digest, schema, [])
-                    groups.append(last)
-            last[2].append(i)
-        for digest, _, members in groups:
+            if table is not None:
+                by_key.setdefault((digest, table.num_columns), []).append(i)
+        groups = [(digest, members) for (digest, _), members in by_key.items()]
+        for digest, members in groups:
             t0 = time.perf_counter()
             try:
                 many = kind.compute_many([tables[i] for i in members], params[digest])
@@ -444,17 +441,17 @@ def _compute(
     return outputs
 
 
-def batch_size(n: int, workers: int, node_s: float | None, fixed_s: float = 0.0) -> int:
-    """Nodes per Dask task: at least TARGET_TASK_S of work, and enough that the task's
-    fixed cost (reading packs, writing its pack and index segment) stays under a tenth
-    of it; yet several tasks per worker, so the last ones end together. With no
-    measure of the work (node_s None: a small first run), only the balance decides."""
-    by_balance = max(1, math.ceil(n / (workers * MIN_TASKS_PER_WORKER)))
+def batch_size(remaining: int, workers: int, node_s: float | None) -> int:
+    """Nodes for the next Dask task (guided self-scheduling): about TARGET_TASK_S of
+    work, but at most a 1/(2 x workers) share of what remains, so batches shrink toward
+    the end and the workers finish together; not below a sixteenth of the target
+    (~60 ms of work), where a task's own cost would start to show. Before anything is
+    measured (node_s None), FIRST_BATCH_NODES."""
+    share = max(1, math.ceil(remaining / (2 * workers)))
     if node_s is None:
-        return by_balance
-    task_s = max(TARGET_TASK_S, 10 * fixed_s)
-    by_work = max(1, int(task_s / max(node_s, 1e-6)))
-    return min(by_work, by_balance)
+        return min(FIRST_BATCH_NODES, share)
+    by_work = max(1, int(TARGET_TASK_S / max(node_s, 1e-6)))
+    return min(max(share, by_work // 16), by_work, remaining)
 
 
 def _batch_s(rows: pa.Table) -> float:
@@ -478,7 +475,8 @@ class RunResult:
     computed: int
     failed: int
     wall_s: float
-    batch_size: int = 0
+    batch_size: int = 0  # the largest batch (nodes per Dask task)
+    batches: int = 0  # Dask tasks
     mlflow_run_id: str | None = None  # set by a flow that records the run
 
     @property
@@ -519,42 +517,41 @@ def run_nodes(
         todo = plan.filter(pc.invert(pc.is_in(keys, value_set=hits["key"].combine_chunks())))
     parts = [_hit_rows(hits, site)] if hits.num_rows else []
     done = hits.num_rows
-    size = 0
+    size = batches_run = 0
     if todo.num_rows:
         todo = todo.append_column("reason", explain(index, todo))
         workers = len(client.scheduler_info()["workers"]) if client is not None else 1
-        node_s, fixed_s = typical_node_s(index), 0.0
-        computed: list[pa.Table] = []
-        reported = False
-        if node_s is None and client is not None and todo.num_rows > 4 * PROBE_NODES:
-            # No history: two probe batches of different sizes give the fixed cost of a
-            # task and the cost of one more node; their results are kept.
-            first_n = PROBE_NODES // 8
-            small, large = todo.slice(0, first_n), todo.slice(first_n, PROBE_NODES - first_n)
-            todo = todo.slice(PROBE_NODES)
-            pending = _start(client, kind, params, [small, large], store.root, site)
-            if progress:  # after submitting: the workers start while this reports
-                progress(done, total)
-                reported = True
-            first = [rows for _, rows in sorted(pending, key=lambda item: item[0])]
-            computed += first
-            done += sum(t.num_rows for t in first)
-            (n1, t1), (n2, t2) = ((t.num_rows, _batch_s(t)) for t in first)
-            node_s = max((t2 - t1) / (n2 - n1), 1e-6) if t2 > t1 else t2 / n2
-            fixed_s = max(t1 - n1 * node_s, 0.0)
-        size = batch_size(todo.num_rows, workers, node_s, fixed_s)
-        groups = [todo.slice(i, size) for i in range(0, todo.num_rows, size)]
-        pending = _start(client, kind, params, groups, store.root, site)
-        if progress and not reported:
+        # Work per node: from the kind's history, then from this run's own batches
+        # (whole task times over their nodes, so each task's fixed cost is included).
+        history_s = typical_node_s(index)
+        measured_s, measured_n = 0.0, 0
+        batches = _Batches(client, kind, params, store.root, site)
+        finished: list[pa.Table] = []
+        pos = 0
+
+        def submit_more() -> None:
+            nonlocal pos, size
+            while pos < todo.num_rows and batches.pending < workers * IN_FLIGHT_PER_WORKER:
+                node_s = measured_s / measured_n if measured_n else history_s
+                n = batch_size(todo.num_rows - pos, workers, node_s)
+                batches.submit(todo.slice(pos, n))
+                pos += n
+                size = max(size, n)
+
+        submit_more()
+        if progress:  # after submitting: the workers start while this reports
             progress(done, total)
-        finished: list[pa.Table | None] = [None] * len(groups)
-        for i, batch_rows in pending:
-            finished[i] = batch_rows
+        for batch_rows in batches:
+            finished.append(batch_rows)
+            batches_run += 1
+            measured_s += _batch_s(batch_rows)
+            measured_n += batch_rows.num_rows
+            submit_more()
             done += batch_rows.num_rows
             if progress:
                 progress(done, total)
         # in plan order, whatever order the batches finished in
-        parts.append(pa.concat_tables(computed + finished).replace_schema_metadata(None))
+        parts.append(pa.concat_tables(batches.in_order(finished)).replace_schema_metadata(None))
     elif progress:
         progress(done, total)
     manifest = pa.concat_tables(parts) if parts else MANIFEST_SCHEMA.empty_table()
@@ -569,6 +566,7 @@ def run_nodes(
         failed=failed,
         wall_s=time.perf_counter() - t0,
         batch_size=size,
+        batches=batches_run,
     )
 
 
@@ -593,23 +591,52 @@ def _run_batch_ipc(kind, params, data: bytes, root: str, site: str) -> pa.Table:
     return run_batch(kind, params, storage.decode_table(data), root, site)
 
 
-def _start(
-    client, kind, params, groups: list[pa.Table], root, site
-) -> Iterator[tuple[int, pa.Table]]:
-    """Submit every batch now; the iterator yields (batch number, manifest rows) as
-    they finish (in-process without a client: each batch runs when reached)."""
-    if client is None:
-        return ((i, run_batch(kind, params, g, root, site)) for i, g in enumerate(groups))
-    from distributed import as_completed
+class _Batches:
+    """Batches in flight on a Dask cluster (or run in-process without a client, each
+    when the iteration reaches it); iterating yields manifest rows as batches finish,
+    and more may be submitted meanwhile."""
 
-    # kind and params travel inside each task (small); scattered data would be lost
-    # with a dying worker, and the batch could not be retried elsewhere. A batch goes
-    # as an IPC stream: pickling a slice of a table would send the whole table.
-    params = dict(params)
-    futures = [
-        client.submit(_run_batch_ipc, kind, params, storage.arrow_bytes(g), root, site,
-                      pure=False)
-        for g in groups
-    ]  # fmt: skip
-    number = {f.key: i for i, f in enumerate(futures)}
-    return ((number[f.key], f.result()) for f in as_completed(futures))
+    def __init__(self, client, kind: NodeKind, params: Mapping[str, dict], root: str, site: str):
+        self.client, self.kind, self.root, self.site = client, kind, root, site
+        self.params = dict(params)
+        self._submitted = 0
+        self._queue: list[tuple[int, pa.Table]] = []  # in-process: not run yet
+        self._number: dict[Any, int] = {}  # Dask future key -> submission number
+        self._done: list[int] = []  # submission numbers, in the order batches finished
+        if client is not None:
+            from distributed import as_completed
+
+            self._running = as_completed()
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) if self.client is None else self._running.count()
+
+    def submit(self, batch: pa.Table) -> None:
+        number, self._submitted = self._submitted, self._submitted + 1
+        if self.client is None:
+            self._queue.append((number, batch))
+            return
+        # kind and params travel inside each task (small); scattered data would be lost
+        # with a dying worker, and the batch could not be retried elsewhere. A batch goes
+        # as an IPC stream: pickling a slice of a table would send the whole table.
+        future = self.client.submit(_run_batch_ipc, self.kind, self.params,
+                                    storage.arrow_bytes(batch), self.root, self.site,
+                                    pure=False)  # fmt: skip
+        self._number[future.key] = number
+        self._running.add(future)
+
+    def __iter__(self) -> Iterator[pa.Table]:
+        if self.client is None:
+            while self._queue:
+                number, batch = self._queue.pop(0)
+                self._done.append(number)
+                yield run_batch(self.kind, self.params, batch, self.root, self.site)
+            return
+        for future in self._running:
+            self._done.append(self._number[future.key])
+            yield future.result()
+
+    def in_order(self, finished: list[pa.Table]) -> list[pa.Table]:
+        """The batches' rows (given in the order they finished) in submission order."""
+        return [finished[i] for i in sorted(range(len(finished)), key=self._done.__getitem__)]

@@ -286,10 +286,15 @@ def test_packed_partitions_match_single_files(tmp_path):
 
 
 def test_batch_size_follows_work_per_node():
-    assert batch_size(100_000, 2, 0.0002) == 2_500  # tiny nodes: 0.5 s of work per task
-    assert batch_size(100_000, 2, 0.5) == 1  # heavy nodes: one per task
-    assert batch_size(40, 2, 0.0001) == 5  # few nodes: still 4 tasks per worker
-    assert batch_size(1_000, 2, None) == 125  # no measure yet: balance alone
+    assert batch_size(100_000, 2, 0.0002) == 5_000  # tiny nodes: 1 s of work per task
+    assert batch_size(100_000, 2, 2.0) == 1  # heavy nodes: one per task
+    assert batch_size(1_000, 2, None) == 250  # nothing measured yet: small batches
+    assert batch_size(100_000, 2, None) == 256
+    # toward the end, a quarter of what remains (2 workers), so the workers end together,
+    # but not below a sixteenth of the target work
+    assert batch_size(4_000, 2, 0.0002) == 1_000
+    assert batch_size(400, 2, 0.0002) == 312
+    assert batch_size(100, 2, 0.0002) == 100
 
 
 def test_compaction_keeps_every_key(landed):
