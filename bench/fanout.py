@@ -49,7 +49,7 @@ EVENTS_PER_PARTITION = 60  # a small day: the node is far smaller than Dask's pe
 
 class RssSampler:
     """Peak resident memory of this process and all its descendants (Dask workers,
-    the Prefect server), sampled every 0.2 s."""
+    the Prefect server), sampled every 0.2 s, with the split by role at the peak."""
 
     def __init__(self) -> None:
         import psutil
@@ -57,20 +57,41 @@ class RssSampler:
         self._proc = psutil.Process()
         self._stop = threading.Event()
         self.peak = 0
+        self.peak_by_role: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+
+    def _role(self, p, cmd: str) -> str:
+        return (
+            "driver" if p.pid == self._proc.pid
+            else "prefect_server" if "prefect" in cmd and "server" in cmd
+            else "dask_worker" if "spawn_main" in cmd or "multiprocessing" in cmd
+            else "other"
+        )  # fmt: skip
+
+    def _tree(self):
+        """(process, role) of every live process in the tree."""
+        import psutil
+
+        for p in [self._proc, *self._proc.children(recursive=True)]:
+            try:
+                yield p, self._role(p, " ".join(p.cmdline()))
+            except psutil.Error:
+                continue
 
     def _run(self) -> None:
         import psutil
 
         while not self._stop.is_set():
-            total = 0
-            for p in [self._proc, *self._proc.children(recursive=True)]:
+            by_role: dict[str, int] = {}
+            for p, role in self._tree():
                 try:
-                    total += p.memory_info().rss
+                    by_role[role] = by_role.get(role, 0) + p.memory_info().rss
                 except psutil.Error:
                     pass
-            self.peak = max(self.peak, total)
+            total = sum(by_role.values())
+            if total > self.peak:
+                self.peak, self.peak_by_role = total, by_role
             time.sleep(0.2)
 
     def cpu_seconds(self) -> dict[str, float]:
@@ -78,29 +99,25 @@ class RssSampler:
         import psutil
 
         out: dict[str, float] = {}
-        for p in [self._proc, *self._proc.children(recursive=True)]:
+        for p, role in self._tree():
             try:
-                cmd = " ".join(p.cmdline())
                 t = p.cpu_times()
             except psutil.Error:
                 continue
-            role = (
-                "driver" if p.pid == self._proc.pid
-                else "prefect_server" if "prefect" in cmd and "server" in cmd
-                else "dask_worker" if "spawn_main" in cmd or "multiprocessing" in cmd
-                else "other"
-            )  # fmt: skip
             out[role] = out.get(role, 0.0) + t.user + t.system
         return out
 
     @contextmanager
     def phase(self, results: dict, name: str):
-        self.peak = 0
+        self.peak, self.peak_by_role = 0, {}
         before = self.cpu_seconds()
         yield
         after = self.cpu_seconds()
         time.sleep(0.25)
         results.setdefault(name, {})["peak_rss_mb"] = round(self.peak / 2**20, 1)
+        results[name]["peak_rss_mb_by_role"] = {
+            role: round(v / 2**20, 1) for role, v in self.peak_by_role.items()
+        }
         results[name]["cpu_s"] = {
             role: round(after[role] - before.get(role, 0.0), 2) for role in after
         }
@@ -405,6 +422,9 @@ def report(args, results: dict) -> None:
         # The engine's runs (a)-(c); the peers' runs are reported apart.
         "peak_rss_mb": max(results[k]["peak_rss_mb"] for k in ENGINE_RUNS),
         "peers_peak_rss_mb": max(results[k]["peak_rss_mb"] for k in PEER_RUNS),
+        "peak_rss_mb_by_role": max(
+            (results[k] for k in ENGINE_RUNS), key=lambda r: r["peak_rss_mb"]
+        ).get("peak_rss_mb_by_role", {}),
         "workers": args.workers,
         "events_per_partition": EVENTS_PER_PARTITION,
         "machine": machine(),
@@ -464,7 +484,13 @@ def markdown(summary: dict) -> str:
         "heartbeat thread; (a') is a flow run of its own, which ends on the next tick of "
         "Prefect's heartbeat thread (joined at exit with 1 s sleep granularity): "
         f"efficiency {summary['efficiency_top_level']:.2f}. Peak RSS is "
-        "the whole process tree (driver, Dask scheduler and workers, Prefect server).",
+        "the whole process tree (driver with the Dask scheduler, Dask workers, Prefect "
+        "server); at the engine runs' peak: "
+        + ", ".join(
+            f"{role} {mb:,.0f} MB"
+            for role, mb in sorted(summary.get("peak_rss_mb_by_role", {}).items())
+        )
+        + ".",
         "",
     ]
     return "\n".join(lines)
