@@ -512,11 +512,16 @@ def run_nodes(
     index = store.index(kind.name) if index is None else index
     keys = plan["key"].combine_chunks()
     hits = latest_per(index.filter(pc.is_in(index["key"], value_set=keys)), ["key"])
-    todo = plan
+    todo, parts, cached = plan, [], 0
     if hits.num_rows:
-        todo = plan.filter(pc.invert(pc.is_in(keys, value_set=hits["key"].combine_chunks())))
-    parts = [_hit_rows(hits, site)] if hits.num_rows else []
-    done = hits.num_rows
+        hit = pc.is_in(keys, value_set=hits["key"].combine_chunks())
+        todo, hit_plan = plan.filter(pc.invert(hit)), plan.filter(hit)
+        # Each hit node gets its own row, from its plan row and its key's index row:
+        # two partitions with identical content share a key and an output, not a row.
+        found = hits.take(pc.index_in(hit_plan["key"], value_set=hits["key"]))
+        parts.append(_hit_rows(hit_plan, found, site))
+        cached = hit_plan.num_rows
+    done = cached
     size = batches_run = 0
     if todo.num_rows:
         todo = todo.append_column("reason", explain(index, todo))
@@ -555,14 +560,14 @@ def run_nodes(
     elif progress:
         progress(done, total)
     manifest = pa.concat_tables(parts) if parts else MANIFEST_SCHEMA.empty_table()
-    if hits.num_rows:  # index rows come in the index's order: put them in the plan's
+    if cached and todo.num_rows:  # hits and computed rows together, in plan order
         manifest = manifest.take(pc.sort_indices(pc.index_in(manifest["key"], value_set=keys)))
     failed = pc.sum(pc.equal(manifest["status"], "failed")).as_py() or 0
     return RunResult(
         manifest=manifest,
         nodes=total,
-        cache_hits=hits.num_rows,
-        computed=total - hits.num_rows - failed,
+        cache_hits=cached,
+        computed=total - cached - failed,
         failed=failed,
         wall_s=time.perf_counter() - t0,
         batch_size=size,
@@ -570,14 +575,17 @@ def run_nodes(
     )
 
 
-def _hit_rows(hits: pa.Table, site: str) -> pa.Table:
-    n = hits.num_rows
+def _hit_rows(nodes: pa.Table, found: pa.Table, site: str) -> pa.Table:
+    """Manifest rows of cached nodes: plan rows, and their keys' index rows aligned."""
+    n = nodes.num_rows
     return pa.table(
         {
-            **{c: hits[c] for c in ("key", "kind", "product", "date")},
+            **{c: nodes[c] for c in ("key", "kind", "product", "date")},
             "site": pa.array([site] * n, pa.string()),
-            **{c: hits[c] for c in ("code", "params", "inputs", "output_digest", "output_url",
-                                     "output_offset", "output_length", "rows", "duration_s")},
+            **{c: nodes[c] for c in ("code", "params")},
+            "inputs": nodes["digest"],
+            **{c: found[c] for c in ("output_digest", "output_url", "output_offset",
+                                     "output_length", "rows", "duration_s")},
             "cache_hit": pa.array([True] * n),
             "status": pa.array(["ok"] * n),
             "reason": pa.array([""] * n),

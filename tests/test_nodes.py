@@ -81,6 +81,24 @@ def test_rerun_is_all_cache_hits_and_changed_param_reruns_only_its_nodes(landed)
     assert run_nodes(kind, params, nodes[::-1], store).manifest["key"].to_pylist() == order[::-1]
 
 
+def test_partitions_with_identical_content_keep_a_row_each(tmp_path):
+    """Two days with the same bytes share a key and an output (content addressing),
+    but every node keeps its own manifest row, hit or not."""
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = str(tmp_path / "store")
+    book = random_book(200, seed=3)
+    for day in DATES:
+        catalog.land("same", Partition("AAA", day), book, root=root)
+    kind = feature_kind()
+    params = product_params(FeatureParams(), {}, ["AAA"])
+    nodes, by_digest = plan_feature_nodes(catalog.entries("same"), params, kind)
+    assert nodes[0].key == nodes[1].key
+    for expected_hits in (0, 2):
+        result = run_nodes(kind, by_digest, nodes, NodeStore(root))
+        assert (result.cache_hits, result.computed) == (expected_hits, 2 - expected_hits)
+        assert result.manifest["date"].to_pylist() == [d.isoformat() for d in DATES]
+
+
 def test_manifest_rows_are_complete(landed):
     catalog, store = landed
     kind, nodes, params = plan(catalog)
