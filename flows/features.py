@@ -39,6 +39,7 @@ from tasks.nodes import (
 )
 from tasks.planning import (
     feature_kind,
+    param_digests,
     plan_feature_nodes,
     plan_feature_table,
     product_params,
@@ -184,7 +185,7 @@ def features(
     )
     site = workspace.resolve_site()
     logger.info("%d feature nodes on site %s (%s)", entries.num_rows, site.name, site.root)
-    _, by_digest = plan_feature_nodes([], per_product, kind)  # parameters by digest
+    _, by_digest = param_digests(per_product)
     save_params(site.root, by_digest)
     store = NodeStore(site.root)
     index = store.index(kind.name)  # one read for every shard of the run

@@ -138,10 +138,6 @@ class Node:
         key.update(self.input.digest.encode())
         object.__setattr__(self, "key", key.hexdigest())
 
-    @property
-    def inputs(self) -> str:
-        return self.input.digest
-
 
 @dataclass(frozen=True, slots=True)
 class NodeKind:
@@ -183,20 +179,11 @@ class NodeStore:
 
     def index(self, kind: str) -> pa.Table:
         """Every committed node of a kind: one pass over the index segments."""
-        segments = storage.list_files(self.index_url(kind), ".parquet")
-        if not segments:
-            return INDEX_SCHEMA.empty_table()
-        # Segments are read side by side: fetching and decoding release the GIL, so
-        # 100 segments cost about what 30 do one after the other.
-        with ThreadPoolExecutor(max_workers=min(8, len(segments))) as pool:
-            parts = list(pool.map(storage.read_parquet, segments))
-        return pa.concat_tables(p.cast(INDEX_SCHEMA) for p in parts)
+        return _read_segments(storage.list_files(self.index_url(kind), ".parquet"))
 
     def existing(self, kind: str, keys: Sequence[str] | pa.Array) -> pa.Table:
         """Index rows (the latest per key) of those `keys` that are committed."""
-        idx = self.index(kind)
-        hit = idx.filter(pc.is_in(idx["key"], value_set=pa.array(keys, pa.string())))
-        return latest_per(hit, ["key"]) if hit.num_rows else hit
+        return committed(self.index(kind), pa.array(keys, pa.string()))
 
     def commit(self, kind: str, rows: pa.Table) -> None:
         """Make outputs visible to later runs: one atomic index segment."""
@@ -214,11 +201,7 @@ class NodeStore:
         segments = storage.list_files(self.index_url(kind), ".parquet")
         if len(segments) < min_segments:
             return 0
-        merged = latest_per(
-            pa.concat_tables(storage.read_parquet(s).cast(INDEX_SCHEMA) for s in segments),
-            ["key"],
-        )
-        self.commit(kind, merged)
+        self.commit(kind, latest_per(_read_segments(segments), ["key"]))
         fs, _ = storage.filesystem(segments[0])
         for s in segments:
             fs.rm_file(storage.filesystem(s)[1])
@@ -227,6 +210,21 @@ class NodeStore:
     def read(self, row: Mapping[str, Any]) -> pa.Table:
         """One node's output, checked against its digest."""
         return storage.read_table(output_blob(row))
+
+
+def _read_segments(segments: list[str]) -> pa.Table:
+    if not segments:
+        return INDEX_SCHEMA.empty_table()
+    # Segments are read side by side: fetching and decoding release the GIL, so
+    # 100 segments cost about what 30 do one after the other.
+    with ThreadPoolExecutor(max_workers=min(8, len(segments))) as pool:
+        parts = list(pool.map(storage.read_parquet, segments))
+    return pa.concat_tables(p.cast(INDEX_SCHEMA) for p in parts)
+
+
+def committed(index: pa.Table, keys: pa.Array) -> pa.Table:
+    """The index rows (the latest per key) of those `keys` that are committed."""
+    return latest_per(index.filter(pc.is_in(index["key"], value_set=keys)), ["key"])
 
 
 def latest_per(table: pa.Table, columns: list[str]) -> pa.Table:
@@ -362,20 +360,13 @@ def run_batch(
         for i, length in enumerate(out_cols["output_length"]):
             seconds[i] += length * per_byte
     out_cols["duration_s"] = seconds
-    reason = nodes["reason"] if "reason" in nodes.column_names else [""] * n
-    rows = pa.table(
-        {
-            **{c: nodes[c] for c in ("key", "kind", "product", "date")},
-            "site": [site] * n,
-            **{c: nodes[c] for c in ("code", "params")},
-            "inputs": nodes["digest"],
-            **out_cols,
-            "cache_hit": [False] * n,
-            "status": ["failed" if e else "ok" for e in errors],
-            "reason": reason,
-            "error": errors,
-        },
-        schema=MANIFEST_SCHEMA,
+    rows = _manifest_rows(
+        nodes,
+        out_cols,
+        site,
+        cache_hit=False,
+        reason=nodes["reason"] if "reason" in nodes.column_names else [""] * n,
+        errors=errors,
     )
     ok = rows.filter(pc.equal(rows["status"], "ok")) if any(errors) else rows
     if ok.num_rows:
@@ -415,12 +406,11 @@ def _compute(
         # more than the node's share of the compute; a group that still mixes layouts
         # fails in compute_many and falls back to one node at a time, so the key only
         # has to be right in the common case, never for correctness.
-        by_key: dict[tuple[str, int], list[int]] = {}
+        groups: dict[tuple[str, int], list[int]] = {}
         for i, (digest, table) in enumerate(zip(param_digests, tables, strict=True)):
             if table is not None:
-                by_key.setdefault((digest, table.num_columns), []).append(i)
-        groups = [(digest, members) for (digest, _), members in by_key.items()]
-        for digest, members in groups:
+                groups.setdefault((digest, table.num_columns), []).append(i)
+        for (digest, _), members in groups.items():
             t0 = time.perf_counter()
             try:
                 many = kind.compute_many([tables[i] for i in members], params[digest])
@@ -511,7 +501,7 @@ def run_nodes(
     total = plan.num_rows
     index = store.index(kind.name) if index is None else index
     keys = plan["key"].combine_chunks()
-    hits = latest_per(index.filter(pc.is_in(index["key"], value_set=keys)), ["key"])
+    hits = committed(index, keys)
     todo, parts, cached = plan, [], 0
     if hits.num_rows:
         hit = pc.is_in(keys, value_set=hits["key"].combine_chunks())
@@ -519,7 +509,9 @@ def run_nodes(
         # Each hit node gets its own row, from its plan row and its key's index row:
         # two partitions with identical content share a key and an output, not a row.
         found = hits.take(pc.index_in(hit_plan["key"], value_set=hits["key"]))
-        parts.append(_hit_rows(hit_plan, found, site))
+        no_errors = [""] * hit_plan.num_rows
+        parts.append(_manifest_rows(hit_plan, found, site, cache_hit=True, reason=no_errors,
+                                    errors=no_errors))  # fmt: skip
         cached = hit_plan.num_rows
     done = cached
     size = batches_run = 0
@@ -575,8 +567,17 @@ def run_nodes(
     )
 
 
-def _hit_rows(nodes: pa.Table, found: pa.Table, site: str) -> pa.Table:
-    """Manifest rows of cached nodes: plan rows, and their keys' index rows aligned."""
+def _manifest_rows(
+    nodes: pa.Table,
+    outputs: Mapping[str, Any],
+    site: str,
+    *,
+    cache_hit: bool,
+    reason: Any,
+    errors: list[str],
+) -> pa.Table:
+    """Manifest rows: a plan's rows, their outputs (the _OUTPUT columns), and how each
+    ended."""
     n = nodes.num_rows
     return pa.table(
         {
@@ -584,15 +585,14 @@ def _hit_rows(nodes: pa.Table, found: pa.Table, site: str) -> pa.Table:
             "site": pa.array([site] * n, pa.string()),
             **{c: nodes[c] for c in ("code", "params")},
             "inputs": nodes["digest"],
-            **{c: found[c] for c in ("output_digest", "output_url", "output_offset",
-                                     "output_length", "rows", "duration_s")},
-            "cache_hit": pa.array([True] * n),
-            "status": pa.array(["ok"] * n),
-            "reason": pa.array([""] * n),
-            "error": pa.array([""] * n),
+            **{name: outputs[name] for name, _ in _OUTPUT},
+            "cache_hit": pa.array([cache_hit] * n),
+            "status": ["failed" if e else "ok" for e in errors],
+            "reason": reason,
+            "error": errors,
         },
         schema=MANIFEST_SCHEMA,
-    )  # fmt: skip
+    )
 
 
 def _run_batch_ipc(kind, params, data: bytes, root: str, site: str) -> pa.Table:

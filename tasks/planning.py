@@ -53,8 +53,9 @@ def product_params(
     return out
 
 
-def _digests(params: Mapping[str, FeatureParams]) -> tuple[dict[str, str], dict[str, dict]]:
-    """(params digest by product, canonical params by digest)."""
+def param_digests(params: Mapping[str, FeatureParams]) -> tuple[dict[str, str], dict[str, dict]]:
+    """(params digest by product, canonical params by digest): what node keys and
+    the saved parameter records are made from."""
     by_digest: dict[str, dict] = {}
     digest_of: dict[str, str] = {}
     for product, p in params.items():
@@ -70,10 +71,10 @@ def plan_feature_table(
     """One feature node per row of a catalog table (`Catalog.table`), as a plan table
     (NODES_SCHEMA); returns it and the params by digest. What `plan_feature_nodes`
     gives, as columns: a 10^5-node run never builds a Python object per node."""
-    digest_of, by_digest = _digests(params)
+    digest_of, by_digest = param_digests(params)
     n = entries.num_rows
-    param_digests = [digest_of[p] for p in entries["product"].to_pylist()]
-    keys = node_keys(kind.name, kind.code, param_digests, entries["digest"].to_pylist())
+    digests = [digest_of[p] for p in entries["product"].to_pylist()]
+    keys = node_keys(kind.name, kind.code, digests, entries["digest"].to_pylist())
     table = pa.table(
         {
             "key": keys,
@@ -81,7 +82,7 @@ def plan_feature_table(
             "product": entries["product"],
             "date": entries["date"],
             "code": [kind.code] * n,
-            "params": param_digests,
+            "params": digests,
             "url": entries["location"],
             "offset": entries["offset"],
             "length": entries["length"],
@@ -96,7 +97,7 @@ def plan_feature_nodes(
     entries: Sequence[Entry], params: Mapping[str, FeatureParams], kind: NodeKind
 ) -> tuple[list[Node], dict[str, dict]]:
     """One feature node per input partition; returns the nodes and params by digest."""
-    digest_of, by_digest = _digests(params)
+    digest_of, by_digest = param_digests(params)
     nodes = [
         Node(
             kind=kind.name,
