@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,7 +41,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `python bench/fanout.py` from a checkout
+sys.path.insert(0, str(ROOT))  # `python bench/fanout.py` from a checkout: tests.servers
+
+from quantloop.tasks.provenance import git_commit  # noqa: E402
 
 EVENTS_PER_PARTITION = 60  # a small day: the node is far smaller than Dask's per-task cost
 
@@ -128,7 +129,7 @@ class RssSampler:
 
 def one_node(kind, params: dict, node, root: str) -> float:
     """The peers' unit of work: the engine's node, alone in its task, its own file."""
-    from tasks import storage
+    from quantloop.tasks import storage
 
     t0 = time.perf_counter()
     table = storage.read_table(node.input)
@@ -141,8 +142,8 @@ def one_node(kind, params: dict, node, root: str) -> float:
 
 def land(catalog, root: str, products: int, dates: int) -> list:
     """products x dates small partitions; one generated session per product, cut into days."""
-    from tasks.schema import Partition
-    from tasks.synthetic import SyntheticConfig, generate_day
+    from quantloop.tasks.schema import Partition
+    from quantloop.tasks.synthetic import SyntheticConfig, generate_day
 
     cfg = SyntheticConfig(levels=2, events_per_day=EVENTS_PER_PARTITION * dates, seed=11)
     days = [dt.date(2024, 1, 1) + dt.timedelta(days=i) for i in range(dates)]
@@ -161,7 +162,7 @@ def land(catalog, root: str, products: int, dates: int) -> list:
 
 
 def _land_job(catalog_path: str, root: str, products: int, dates: int) -> int:
-    from tasks.catalog import Catalog
+    from quantloop.tasks.catalog import Catalog
 
     return len(land(Catalog(catalog_path), root, products, dates))
 
@@ -173,15 +174,6 @@ def land_apart(catalog_path, root: str, products: int, dates: int) -> int:
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(_land_job, (str(catalog_path), root, products, dates))
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return ""
 
 
 def machine() -> str:
@@ -222,7 +214,7 @@ def main() -> None:
         print(markdown(json.loads(args.markdown.read_text())))
         return
 
-    from quantloop.servers import prefect_server  # the same launcher the tests use
+    from tests.servers import prefect_server  # the same launcher the tests use
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="quantloop-fanout-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -252,12 +244,12 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
     from prefect.task_runners import ThreadPoolTaskRunner
     from prefect_dask import DaskTaskRunner
 
-    from blocks.site import WORKER_PRELOAD, Site
-    from flows.features import features, plan
-    from flows.research import stage_heartbeats_off
-    from quantloop.workspace import Selection, Workspace
-    from tasks import tracking
-    from tasks.features import FeatureParams
+    from quantloop.blocks.site import WORKER_PRELOAD, Site
+    from quantloop.flows.features import features, plan
+    from quantloop.flows.research import stage_heartbeats_off
+    from quantloop.tasks import tracking
+    from quantloop.tasks.features import FeatureParams
+    from quantloop.tasks.workspace import Selection, Workspace
 
     params = FeatureParams(
         imbalance_levels=2, return_lags=(1, 5), vol_windows=(10,), ofi_window=10,
@@ -442,7 +434,7 @@ def report(args, results: dict) -> None:
         "workers": args.workers,
         "events_per_partition": EVENTS_PER_PARTITION,
         "machine": machine(),
-        "commit": git_commit(),
+        "commit": git_commit(short=True),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "runs": results,
     }

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from profiling.config import preset  # noqa: E402
-from profiling.ladder import (  # noqa: E402
+from quantloop.profiling.config import preset  # noqa: E402
+from quantloop.profiling.ladder import (  # noqa: E402
     CONTROLS,
     controls_markdown,
     run_ladder,

@@ -1,7 +1,7 @@
 """Prefect blocks of quantloop; importing this package registers them with Prefect."""
 
-from blocks.catalog import DataCatalog
-from blocks.site import Site
-from blocks.tracking import MlflowTracking
+from quantloop.blocks.catalog import DataCatalog
+from quantloop.blocks.site import Site
+from quantloop.blocks.tracking import MlflowTracking
 
 __all__ = ["DataCatalog", "MlflowTracking", "Site"]

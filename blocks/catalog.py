@@ -7,17 +7,16 @@ import os
 from prefect.blocks.core import Block
 from pydantic import Field
 
-from tasks.catalog import Catalog
-
 
 class DataCatalog(Block):
     """The catalog of input partitions (product x date -> digest, rows, location, site).
 
+    Workspaces that name the same DataCatalog block share one catalog.
+
     Example:
         ```python
-        from blocks.catalog import DataCatalog
-        catalog = DataCatalog.load("desk-catalog").open()
-        print(catalog.datasets())
+        from quantloop.blocks import DataCatalog
+        print(DataCatalog.load("desk-catalog").resolved_path())
         ```
     """
 
@@ -29,5 +28,6 @@ class DataCatalog(Block):
         default=".quantloop/catalog.sqlite", description="Path of the SQLite catalog file."
     )
 
-    def open(self) -> Catalog:
-        return Catalog(os.path.abspath(self.path))
+    def resolved_path(self) -> str:
+        """The catalog file's absolute path (runs may change directory)."""
+        return os.path.abspath(os.path.expanduser(self.path))

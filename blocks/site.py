@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 # Imported by every Dask worker as it starts (Dask's preload), so the first batch of
 # a run does not pay for importing the node code (~0.3 s per fresh worker here).
-WORKER_PRELOAD = ("tasks.planning",)
+WORKER_PRELOAD = ("quantloop.tasks.planning",)
 
 
 class Site(Block):
@@ -19,7 +19,7 @@ class Site(Block):
 
     Example:
         ```python
-        from blocks.site import Site
+        from quantloop.blocks.site import Site
         site = Site.load("onprem")
         with site.client() as client:
             print(client.scheduler_info()["workers"].keys())

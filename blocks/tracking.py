@@ -13,7 +13,7 @@ class MlflowTracking(Block):
 
     Example:
         ```python
-        from blocks.tracking import MlflowTracking
+        from quantloop.blocks.tracking import MlflowTracking
         tracking = MlflowTracking.load("desk-mlflow")
         print(tracking.tracking_uri, tracking.experiment)
         ```

@@ -24,11 +24,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
-from quantloop import progress
-from quantloop.workspace import Selection, Workspace
-from tasks import storage, tracking
-from tasks.features import FeatureParams
-from tasks.nodes import (
+from quantloop.tasks import progress, storage, tracking
+from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.nodes import (
     MANIFEST_SCHEMA,
     Node,
     NodeKind,
@@ -37,7 +35,7 @@ from tasks.nodes import (
     output_blob,
     run_nodes,
 )
-from tasks.planning import (
+from quantloop.tasks.planning import (
     feature_kind,
     param_digests,
     plan_feature_nodes,
@@ -45,7 +43,8 @@ from tasks.planning import (
     product_params,
     shards,
 )
-from tasks.schema import Partition
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.workspace import Selection, Workspace
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,11 +18,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from profiling.config import preset
-from profiling.ladder import RUNGS, controls_markdown, run_ladder, table_markdown
-from quantloop.provenance import git_commit
-from quantloop.workspace import Workspace
-from tasks import tracking
+from quantloop.profiling.config import preset
+from quantloop.profiling.ladder import RUNGS, controls_markdown, run_ladder, table_markdown
+from quantloop.tasks import tracking
+from quantloop.tasks.provenance import git_commit
+from quantloop.tasks.workspace import Workspace
 
 REPORT_NAME = "ladder.md"
 

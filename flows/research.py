@@ -17,19 +17,18 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from pydantic import BaseModel, ConfigDict, Field
 
-from flows.features import features as features_flow
-from flows.simulate import simulate as simulate_flow
-from flows.train import train as train_flow
-from quantloop import progress
-from quantloop.provenance import code_digest, git_commit
-from quantloop.workspace import Selection, Workspace
-from tasks import tracking
-from tasks.features import FeatureParams
-from tasks.landing import business_days, land_lobster, land_synthetic
-from tasks.nodes import sha256_json
-from tasks.simulation import SimConfig
-from tasks.synthetic import SyntheticConfig
-from tasks.training import TrainConfig
+from quantloop.flows.features import features as features_flow
+from quantloop.flows.simulate import simulate as simulate_flow
+from quantloop.flows.train import train as train_flow
+from quantloop.tasks import progress, tracking
+from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.landing import business_days, land_lobster, land_synthetic
+from quantloop.tasks.nodes import sha256_json
+from quantloop.tasks.provenance import code_digest, git_commit
+from quantloop.tasks.simulation import SimConfig
+from quantloop.tasks.synthetic import SyntheticConfig
+from quantloop.tasks.training import TrainConfig
+from quantloop.tasks.workspace import Selection, Workspace
 
 
 class DataSource(BaseModel):

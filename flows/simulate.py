@@ -10,14 +10,13 @@ import pyarrow.compute as pc
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
-from flows.features import FeatureOutput, feature_outputs
-from flows.train import fetch_model
-from quantloop.workspace import Selection, Workspace
-from tasks import plots, simulation, storage, tracking, training
-from tasks.features import FeatureParams
-from tasks.nodes import code_fingerprint, sha256_json
-from tasks.schema import Partition
-from tasks.simulation import (
+from quantloop.flows.features import FeatureOutput, feature_outputs
+from quantloop.flows.train import fetch_model
+from quantloop.tasks import plots, simulation, storage, tracking, training
+from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.nodes import code_fingerprint, sha256_json
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.simulation import (
     SimConfig,
     baseline_signal,
     markout,
@@ -26,10 +25,11 @@ from tasks.simulation import (
     summarize,
     thresholds_from,
 )
-from tasks.simulation import (
+from quantloop.tasks.simulation import (
     simulate as replay,
 )
-from tasks.training import TrainResult, predict
+from quantloop.tasks.training import TrainResult, predict
+from quantloop.tasks.workspace import Selection, Workspace
 
 
 class SimSummary(BaseModel):

@@ -11,15 +11,15 @@ from dataclasses import asdict
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
-from flows.features import feature_outputs
-from models import orderbook
-from quantloop.workspace import Selection, Workspace
-from tasks import plots, storage, tracking, training
-from tasks.features import FeatureParams, feature_set
-from tasks.nodes import code_fingerprint, sha256_json
-from tasks.simulation import split_train_test
-from tasks.training import TrainConfig, load_model, resolve_device, save_model
-from tasks.training import train as fit
+from quantloop.flows.features import feature_outputs
+from quantloop.models import orderbook
+from quantloop.tasks import plots, storage, tracking, training
+from quantloop.tasks.features import FeatureParams, feature_set
+from quantloop.tasks.nodes import code_fingerprint, sha256_json
+from quantloop.tasks.simulation import split_train_test
+from quantloop.tasks.training import TrainConfig, load_model, resolve_device, save_model
+from quantloop.tasks.training import train as fit
+from quantloop.tasks.workspace import Selection, Workspace
 
 
 class TrainSummary(BaseModel):

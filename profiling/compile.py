@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from profiling.config import LadderConfig
+from quantloop.profiling.config import LadderConfig
 
 
 def apply_compile(module: nn.Module, *, cfg: LadderConfig) -> nn.Module:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from profiling.streams import Layout
+from quantloop.profiling.streams import Layout
 
 
 class GraphedStep:

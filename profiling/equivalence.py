@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profiling.config import Tolerance
+from quantloop.profiling.config import Tolerance
 
 
 def interval_means(per_step: np.ndarray, every: int) -> np.ndarray:

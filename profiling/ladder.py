@@ -20,17 +20,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.orderbook import ModelConfig, OrderBookNet
-from profiling import kernels, measure
-from profiling.compile import apply_compile
-from profiling.config import LadderConfig, Tolerance
-from profiling.cudagraph import apply_cudagraph
-from profiling.equivalence import Equivalence, compare, interval_means, step0_deviation
-from profiling.metrics import DeviceLogger, HostLogger
-from profiling.packing import apply_packing
-from profiling.precision import apply_precision, autocast
-from profiling.streams import Layout, Prefetcher, SyncLoader
-from profiling.workload import (
+from quantloop.models.orderbook import ModelConfig, OrderBookNet
+from quantloop.profiling import kernels, measure
+from quantloop.profiling.compile import apply_compile
+from quantloop.profiling.config import LadderConfig, Tolerance
+from quantloop.profiling.cudagraph import apply_cudagraph
+from quantloop.profiling.equivalence import Equivalence, compare, interval_means, step0_deviation
+from quantloop.profiling.metrics import DeviceLogger, HostLogger
+from quantloop.profiling.packing import apply_packing
+from quantloop.profiling.precision import apply_precision, autocast
+from quantloop.profiling.streams import Layout, Prefetcher, SyncLoader
+from quantloop.profiling.workload import (
     Windows,
     Workload,
     build_workload,
@@ -40,8 +40,8 @@ from profiling.workload import (
     padded_index,
     padded_spec,
 )
-from tasks.simulation import SimConfig, markout, simulate, summarize, thresholds_from
-from tasks.training import torch_threads
+from quantloop.tasks.simulation import SimConfig, markout, simulate, summarize, thresholds_from
+from quantloop.tasks.training import torch_threads
 
 TRACE_PATH = "{out}/trace-rung{number}-{name}.json"
 

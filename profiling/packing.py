@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.orderbook import OrderBookNet
+from quantloop.models.orderbook import OrderBookNet
 
 
 class PackedNet(nn.Module):

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from profiling.config import LadderConfig
-from tasks import storage
-from tasks.features import FeatureParams, compute_features, feature_set
-from tasks.synthetic import SyntheticConfig, generate_day
-from tasks.training import Normalizer, column_matrix
+from quantloop.profiling.config import LadderConfig
+from quantloop.tasks import storage
+from quantloop.tasks.features import FeatureParams, compute_features, feature_set
+from quantloop.tasks.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.training import Normalizer, column_matrix
 
 START_DATE = dt.date(2026, 3, 2)
 STORE_PATH = "{root}/features-{key}/product={product}/date={date}.parquet"

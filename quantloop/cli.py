@@ -81,8 +81,8 @@ def run(
     workers: Annotated[int | None, typer.Option(help="LocalCluster workers [default: 2]")] = None,
 ) -> None:
     """Run the research flow: data -> features -> train -> simulate -> MLflow."""
-    from flows.research import ResearchParams, research
-    from quantloop import progress
+    from quantloop.flows.research import ResearchParams, research
+    from quantloop.tasks import progress
 
     values = json.loads(params.read_text()) if params else {}
     ws = values.setdefault("workspace", {})
@@ -139,9 +139,9 @@ def ladder(
     tracking_uri: TrackingUriOption = None,
 ) -> None:
     """Run the GPU optimization ladder flow and print its table (docs/ladder.md)."""
-    from flows.ladder import LadderParams
-    from flows.ladder import ladder as ladder_flow
-    from profiling.ladder import table_markdown
+    from quantloop.flows.ladder import LadderParams
+    from quantloop.flows.ladder import ladder as ladder_flow
+    from quantloop.profiling.ladder import table_markdown
 
     ws = {k: v for k, v in (("home", home), ("tracking_uri", tracking_uri)) if v is not None}
     try:
@@ -181,8 +181,8 @@ def nodes(
     """Query node records: filter the run manifests, or show one node's lineage."""
     import datetime as dt
 
-    from quantloop.workspace import Workspace
-    from tasks import manifest
+    from quantloop.tasks import manifest
+    from quantloop.tasks.workspace import Workspace
 
     ws = Workspace(home=home, site=site)
     root = ws.resolve_site().root

@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import pyarrow as pa
 
-from tasks import storage
-from tasks.schema import Partition, levels_of
+from quantloop.tasks import storage
+from quantloop.tasks.schema import Partition, levels_of
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS partitions (

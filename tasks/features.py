@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from tasks.schema import PRICE_SCALE, levels_of
+from quantloop.tasks.schema import PRICE_SCALE, levels_of
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

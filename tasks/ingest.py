@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from tasks.schema import (
+from quantloop.tasks.schema import (
     DUMMY_ASK,
     DUMMY_BID,
     EVENT_TYPES,

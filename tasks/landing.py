@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.catalog import Catalog, Landed
-from tasks.ingest import find_lobster, read_lobster
-from tasks.schema import Partition
-from tasks.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.catalog import Catalog, Landed
+from quantloop.tasks.ingest import find_lobster, read_lobster
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.synthetic import SyntheticConfig, generate_day
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tasks import storage
-from tasks.catalog import Catalog
-from tasks.nodes import MANIFEST_SCHEMA, NodeStore, latest_per
+from quantloop.tasks import storage
+from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.nodes import MANIFEST_SCHEMA, NodeStore, latest_per
 
 
 def manifest_urls(root: str, kind: str) -> list[str]:

@@ -36,8 +36,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tasks import storage
-from tasks.schema import Partition
+from quantloop.tasks import storage
+from quantloop.tasks.schema import Partition
 
 _NODE = [("key", pa.string()), ("kind", pa.string()), ("product", pa.string()),
          ("date", pa.string())]  # fmt: skip

@@ -8,9 +8,21 @@ from dataclasses import replace
 
 import pyarrow as pa
 
-from tasks.catalog import Entry
-from tasks.features import FeatureParams, compute_features, compute_features_many, feature_set
-from tasks.nodes import NODES_SCHEMA, Node, NodeKind, code_fingerprint, node_keys, sha256_json
+from quantloop.tasks.catalog import Entry
+from quantloop.tasks.features import (
+    FeatureParams,
+    compute_features,
+    compute_features_many,
+    feature_set,
+)
+from quantloop.tasks.nodes import (
+    NODES_SCHEMA,
+    Node,
+    NodeKind,
+    code_fingerprint,
+    node_keys,
+    sha256_json,
+)
 
 
 def feature_kind() -> NodeKind:

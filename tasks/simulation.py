@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from tasks.schema import Partition
+from quantloop.tasks.schema import Partition
 
 _LABEL_RE = re.compile(r"^label_(\d+)$")
 

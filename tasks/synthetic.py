@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from tasks.ingest import validate_book
-from tasks.schema import (
+from quantloop.tasks.ingest import validate_book
+from quantloop.tasks.schema import (
     CANCEL,
     DELETE,
     EXEC_HIDDEN,

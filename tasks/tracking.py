@@ -17,8 +17,8 @@ import pyarrow as pa
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from blocks.tracking import MlflowTracking
-from tasks import storage
+from quantloop.blocks.tracking import MlflowTracking
+from quantloop.tasks import storage
 
 _MAX_METRICS, _MAX_PARAMS, _MAX_TAGS = 1000, 100, 100
 PARENT_TAG = "mlflow.parentRunId"

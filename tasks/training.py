@@ -23,7 +23,7 @@ import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
-from models.orderbook import ModelConfig, OrderBookNet
+from quantloop.models.orderbook import ModelConfig, OrderBookNet
 
 INPUT_CLIP = 10.0  # standardized inputs are clipped to +-10 std: one wild event can't dominate
 

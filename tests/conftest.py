@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from quantloop import servers
+from tests import servers
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 LOBSTER_DIR = SHARED_DATA / "lobster"

@@ -19,12 +19,12 @@ from prefect.deployments import run_deployment
 from prefect.flows import load_flow_from_entrypoint
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from blocks import MlflowTracking, Site
-from flows.features import feature_outputs
 from infra.deploy import REPO_ROOT, deploy, ensure_pool
-from quantloop import servers
-from quantloop.workspace import Selection, Workspace
-from tasks.features import FeatureParams
+from quantloop.blocks import MlflowTracking, Site
+from quantloop.flows.features import feature_outputs
+from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.workspace import Selection, Workspace
+from tests import servers
 
 PREFECT_YAML = REPO_ROOT / "infra" / "prefect.yaml"
 POOL = "quantloop-test-cpu"

@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tasks.features import FeatureParams, compute_features, feature_set, rolling_sum
-from tasks.schema import book_schema
+from quantloop.tasks.features import FeatureParams, compute_features, feature_set, rolling_sum
+from quantloop.tasks.schema import book_schema
 
 PARAMS = FeatureParams(
     imbalance_levels=3, return_lags=(1,), vol_windows=(2,), ofi_window=2, label_horizons=(1, 2)
@@ -97,8 +97,8 @@ def test_unknown_and_bad_parameters_name_the_field():
 
 def test_batched_partitions_are_bit_identical_to_single_ones():
     """A node's output must not depend on which nodes shared its batch."""
-    from tasks import storage
-    from tasks.features import compute_features_many
+    from quantloop.tasks import storage
+    from quantloop.tasks.features import compute_features_many
     from tests.books import random_book
 
     params = FeatureParams(imbalance_levels=3, return_lags=(1, 5), vol_windows=(4, 50),

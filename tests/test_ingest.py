@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tasks.ingest import (
+from quantloop.tasks.ingest import (
     DataValidationError,
     LobsterDay,
     find_lobster,
@@ -20,7 +20,7 @@ from tasks.ingest import (
     read_lobster,
     validate_book,
 )
-from tasks.schema import book_schema
+from quantloop.tasks.schema import book_schema
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lobster"
 needs_data = pytest.mark.skipif(

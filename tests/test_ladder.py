@@ -16,15 +16,28 @@ import numpy as np
 import pytest
 import torch
 
-from models.orderbook import OrderBookNet
-from profiling import kernels, measure
-from profiling.config import BF16, LadderConfig, Tolerance, cpu_tiny, preset
-from profiling.equivalence import compare, markout_delta, rel_l2, step0_deviation
-from profiling.kernels import CHUNK, FusedAdamW
-from profiling.ladder import RUNGS, Switches, check_rung, model_config, reference, train_rung
-from profiling.packing import PackedNet
-from profiling.streams import Layout
-from profiling.workload import build_workload, next_move, pack_plan, packed_batch, padded_batch
+from quantloop.models.orderbook import OrderBookNet
+from quantloop.profiling import kernels, measure
+from quantloop.profiling.config import BF16, LadderConfig, Tolerance, cpu_tiny, preset
+from quantloop.profiling.equivalence import compare, markout_delta, rel_l2, step0_deviation
+from quantloop.profiling.kernels import CHUNK, FusedAdamW
+from quantloop.profiling.ladder import (
+    RUNGS,
+    Switches,
+    check_rung,
+    model_config,
+    reference,
+    train_rung,
+)
+from quantloop.profiling.packing import PackedNet
+from quantloop.profiling.streams import Layout
+from quantloop.profiling.workload import (
+    build_workload,
+    next_move,
+    pack_plan,
+    packed_batch,
+    padded_batch,
+)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +219,7 @@ def test_switches_are_cumulative_and_skip_what_the_cpu_cannot_run():
 
 @pytest.mark.slow
 def test_ladder_flow_on_cpu(prefect_api, tmp_path):
-    from flows.ladder import LadderParams, ladder
+    from quantloop.flows.ladder import LadderParams, ladder
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     params = LadderParams(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.orderbook import ModelConfig, OrderBookNet
+from quantloop.models.orderbook import ModelConfig, OrderBookNet
 
 B, T, F_IN, OUT = 6, 12, 5, 3
 

@@ -11,12 +11,17 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
-from tasks import storage
-from tasks.catalog import Catalog
-from tasks.features import FeatureParams, features_node
-from tasks.nodes import NodeKind, NodeStore, batch_size, node_table, run_batch, run_nodes
-from tasks.planning import feature_kind, plan_feature_nodes, plan_feature_table, product_params
-from tasks.schema import Partition
+from quantloop.tasks import storage
+from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.features import FeatureParams, features_node
+from quantloop.tasks.nodes import NodeKind, NodeStore, batch_size, node_table, run_batch, run_nodes
+from quantloop.tasks.planning import (
+    feature_kind,
+    plan_feature_nodes,
+    plan_feature_table,
+    product_params,
+)
+from quantloop.tasks.schema import Partition
 from tests.books import random_book
 
 PRODUCTS = ["AAA", "BBB"]

@@ -20,11 +20,11 @@ from prefect.client.schemas.filters import (
 )
 from typer.testing import CliRunner
 
-from flows.research import ResearchParams, research
 from quantloop.cli import app
-from tasks.catalog import Catalog
-from tasks.ingest import DataValidationError
-from tasks.landing import land_lobster
+from quantloop.flows.research import ResearchParams, research
+from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.ingest import DataValidationError
+from quantloop.tasks.landing import land_lobster
 
 TINY = {
     "data": {

@@ -15,13 +15,13 @@ import pytest
 import s3fs
 from distributed import Client, LocalCluster
 
-from tasks import storage
-from tasks.catalog import Catalog
-from tasks.features import FeatureParams
-from tasks.nodes import NodeStore, run_nodes
-from tasks.planning import feature_kind, plan_feature_nodes, product_params
-from tasks.schema import Partition
-from tasks.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks import storage
+from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.nodes import NodeStore, run_nodes
+from quantloop.tasks.planning import feature_kind, plan_feature_nodes, product_params
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.synthetic import SyntheticConfig, generate_day
 
 PRODUCTS = ["SYNA", "SYNB"]
 DATES = [dt.date(2026, 3, 2), dt.date(2026, 3, 3)]

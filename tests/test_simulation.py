@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tasks.features import FeatureParams, compute_features
-from tasks.schema import Partition
-from tasks.simulation import (
+from quantloop.tasks.features import FeatureParams, compute_features
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.simulation import (
     SimConfig,
     baseline_signal,
     greedy_cooldown,

@@ -6,11 +6,11 @@ import datetime as dt
 
 import pytest
 
-from blocks.catalog import DataCatalog
-from blocks.site import Site
-from blocks.tracking import MlflowTracking
-from quantloop.workspace import Selection, Workspace
-from tasks.schema import Partition
+from quantloop.blocks.catalog import DataCatalog
+from quantloop.blocks.site import Site
+from quantloop.blocks.tracking import MlflowTracking
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.workspace import Selection, Workspace
 from tests.books import random_book
 
 

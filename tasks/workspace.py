@@ -15,10 +15,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
-from blocks.catalog import DataCatalog
-from blocks.site import Site
-from blocks.tracking import MlflowTracking
-from tasks.catalog import Catalog, Entry
+from quantloop.blocks.catalog import DataCatalog
+from quantloop.blocks.site import Site
+from quantloop.blocks.tracking import MlflowTracking
+from quantloop.tasks.catalog import Catalog, Entry
 
 DEFAULT_HOME = ".quantloop"
 
@@ -75,7 +75,7 @@ class Workspace(BaseModel):
 
     def catalog(self) -> Catalog:
         if self.data_catalog:
-            return DataCatalog.load(self.data_catalog).open()
+            return Catalog(DataCatalog.load(self.data_catalog).resolved_path())
         return Catalog(os.path.join(self.home_abs, "catalog.sqlite"))
 
 
