@@ -127,15 +127,18 @@ class RssSampler:
         self._stop.set()
 
 
-def one_node(kind, params: dict, node, root: str) -> float:
-    """The peers' unit of work: the engine's node, alone in its task, its own file."""
+def one_node(kind, params: dict, node: dict, root: str) -> float:
+    """The peers' unit of work: the engine's node (a row of its plan), alone in its task,
+    its own file."""
     from quantloop.tasks import storage
 
     t0 = time.perf_counter()
-    table = storage.read_table(node.input)
-    values = params[node.params]
+    blob = storage.Blob(node["url"], node["offset"], node["length"], node["digest"])
+    table = storage.read_table(blob)
+    values = params[node["params"]]
     out = kind.compute(table, kind.prepare(values) if kind.prepare else values)
-    url = storage.join(root, "single", kind.name, node.key[:2], f"{node.key}.arrows")
+    key = node["key"]
+    url = storage.join(root, "single", kind.name, key[:2], f"{key}.arrows")
     storage.write_bytes_atomic(url, storage.arrow_bytes(out))
     return time.perf_counter() - t0
 
@@ -245,10 +248,11 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
     from prefect_dask import DaskTaskRunner
 
     from quantloop.blocks.site import WORKER_PRELOAD, Site
-    from quantloop.flows.features import features, plan
+    from quantloop.flows.features import features
     from quantloop.flows.research import stage_heartbeats_off
     from quantloop.tasks import tracking
     from quantloop.tasks.features import FeatureParams
+    from quantloop.tasks.stage import StageParams, plan_features
     from quantloop.tasks.workspace import Selection, Workspace
 
     params = FeatureParams(
@@ -281,22 +285,24 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
 
         shard = {"shard_size": args.shard_size} if args.shard_size else {}
 
+        def stage(product_features) -> StageParams:
+            return StageParams(workspace=workspace, selection=selection, features=params,
+                               product_features=product_features or {})  # fmt: skip
+
         @flow(name="fanout-research")
         def as_stage(product_features) -> tuple:
             """The features flow as `research` runs it: a stage flow, whose own
             heartbeat thread is off (flows/research.py:stage_heartbeats_off)."""
             with stage_heartbeats_off():
                 t = time.perf_counter()
-                result = features(workspace, selection, params, product_features,
-                                  parent_run_id=parent, **shard)  # fmt: skip
+                result = features(stage(product_features), parent_run_id=parent, **shard)
                 return result, time.perf_counter() - t
 
         def engine(name: str, product_features=None, *, top_level: bool = False) -> None:
             with rss.phase(results, name):
                 if top_level:  # a flow run of its own, with Prefect's default heartbeats
                     t = time.perf_counter()
-                    result = features(workspace, selection, params, product_features,
-                                      parent_run_id=parent, **shard)  # fmt: skip
+                    result = features(stage(product_features), parent_run_id=parent, **shard)
                     wall = time.perf_counter() - t
                 else:
                     result, wall = as_stage(product_features)
@@ -340,7 +346,10 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
         engine("b_noop")
         engine("c_one_product", {"P007": {"ofi_window": 12}})
 
-        kind, nodes, by_digest = plan(workspace, selection, params, None)
+        planned = plan_features(stage(None))
+        kind, by_digest = planned.kind, planned.params
+        nodes = planned.nodes.slice(0, args.sample + max(args.sample, args.dask_runner_sample))
+        nodes = nodes.to_pylist()
         root = str(work / "peers")
         sample = nodes[: args.sample]
         with Client(cluster) as client:

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -25,36 +24,22 @@ from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
 from quantloop.tasks import progress, storage, tracking
-from quantloop.tasks.features import FeatureParams
 from quantloop.tasks.nodes import (
     MANIFEST_SCHEMA,
-    Node,
     NodeKind,
     NodeStore,
     RunResult,
-    output_blob,
     run_nodes,
 )
 from quantloop.tasks.planning import (
     feature_kind,
     param_digests,
-    plan_feature_nodes,
     plan_feature_table,
     product_params,
     shards,
 )
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.workspace import Selection, Workspace
-
-
-@dataclass(frozen=True, slots=True)
-class FeatureOutput:
-    key: str  # the feature node's key: what downstream keys are built from
-    blob: storage.Blob
-
-    def read(self) -> pa.Table:
-        return storage.read_table(self.blob)
-
+from quantloop.tasks.stage import StageParams
+from quantloop.tasks.workspace import Workspace
 
 PROGRESS_EVERY_S = 5.0
 
@@ -146,27 +131,9 @@ def manifest_url(root: str, kind: str) -> str:
     return storage.join(root, "manifests", kind, f"{stamp}-{run_id}.parquet")
 
 
-def plan(
-    workspace: Workspace,
-    selection: Selection,
-    params: FeatureParams,
-    product_features: dict[str, dict] | None,
-) -> tuple[NodeKind, list[Node], dict[str, dict]]:
-    """The feature nodes of a selection (pure planning: catalog read and hashing)."""
-    entries = selection.entries(workspace.catalog())
-    kind = feature_kind()
-    products = sorted({e.partition.product for e in entries})
-    per_product = product_params(params, product_features or {}, products)
-    nodes, by_digest = plan_feature_nodes(entries, per_product, kind)
-    return kind, nodes, by_digest
-
-
 @flow(name="features")
 def features(
-    workspace: Workspace = Workspace(),
-    selection: Selection = Selection(),
-    features: FeatureParams = FeatureParams(),
-    product_features: dict[str, dict] | None = None,
+    stage: StageParams = StageParams(),
     shard_size: int = 50_000,
     parent_run_id: str | None = None,
 ) -> RunResult:
@@ -177,10 +144,11 @@ def features(
     """
     t0 = time.perf_counter()
     logger = get_run_logger()
-    entries = selection.table(workspace.catalog())  # columns: no object per partition
+    workspace = stage.workspace
+    entries = stage.selection.table(workspace.catalog())  # columns: no object per partition
     kind = feature_kind()
     per_product = product_params(
-        features, product_features or {}, pc.unique(entries["product"]).to_pylist()
+        stage.features, stage.product_features, pc.unique(entries["product"]).to_pylist()
     )
     site = workspace.resolve_site()
     logger.info("%d feature nodes on site %s (%s)", entries.num_rows, site.name, site.root)
@@ -224,18 +192,15 @@ def features(
         batch_size=max((r.batch_size for r in results), default=0),
         batches=sum(r.batches for r in results),
     )
-    logger.info(
-        "features: %d nodes, %d cache hits, %d computed, %d failed",
-        result.nodes,
-        result.cache_hits,
-        result.computed,
-        result.failed,
-    )
     reasons = why_recomputed(manifest)
-    if reasons:
-        logger.info(
-            "recomputed because: %s", ", ".join(f"{k} changed: {v}" for k, v in reasons.items())
-        )
+    line = (
+        f"{result.nodes:,} nodes: {result.cache_hits:,} cache hits, {result.computed:,} "
+        f"computed, {result.failed:,} failed in {result.wall_s:.1f} s"
+    )
+    if reasons:  # the part of each recomputed node's key that changed (new: none before)
+        line += " (why: " + ", ".join(f"{k} {v:,}" for k, v in reasons.items()) + ")"
+    logger.info("features: %s", line)
+    progress.note("features", line)
     url = manifest_url(site.root, kind.name)
     with ThreadPoolExecutor(max_workers=2) as pool:
         # The manifest is encoded once (for its file and MLflow's artifact) while the
@@ -291,22 +256,3 @@ def record(
         )
         run.file(manifest_bytes(), "features_manifest.parquet", "manifest")
         return run.run_id
-
-
-def feature_outputs(
-    workspace: Workspace,
-    selection: Selection,
-    params: FeatureParams,
-    product_features: dict[str, dict] | None = None,
-) -> dict[Partition, FeatureOutput]:
-    """Where each selected partition's features are stored; fails if any is missing."""
-    kind, nodes, _ = plan(workspace, selection, params, product_features)
-    store = NodeStore(workspace.resolve_site().root)
-    found = {r["key"]: r for r in store.existing(kind.name, [n.key for n in nodes]).to_pylist()}
-    missing = [str(n.partition) for n in nodes if n.key not in found]
-    if missing:
-        raise LookupError(
-            f"features not computed for {len(missing)} partitions (e.g. {missing[:5]}); "
-            "run the features flow on this selection first"
-        )
-    return {n.partition: FeatureOutput(n.key, output_blob(found[n.key])) for n in nodes}

@@ -26,6 +26,8 @@ from quantloop.tasks.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.nodes import sha256_json
 from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.simulation import SimConfig
+from quantloop.tasks.stage import StageParams
+from quantloop.tasks.summary import ResearchSummary, markout_table
 from quantloop.tasks.synthetic import SyntheticConfig
 from quantloop.tasks.training import TrainConfig
 from quantloop.tasks.workspace import Selection, Workspace
@@ -70,6 +72,16 @@ class ResearchParams(BaseModel):
     )
     shard_size: int = Field(default=50_000, ge=1, description="Nodes per Prefect shard task.")
 
+    def stage(self, selection: Selection) -> StageParams:
+        """What the stage flows take: this run's workspace and features on `selection`."""
+        return StageParams(
+            workspace=self.workspace,
+            selection=selection,
+            features=self.features,
+            product_features=self.product_features,
+            holdout_fraction=self.holdout_fraction,
+        )
+
     def hash(self) -> str:
         """Digest of what decides the result (not where it is stored)."""
         return sha256_json(self.model_dump(mode="json", exclude={"workspace"}))
@@ -92,7 +104,11 @@ def land_data(params: ResearchParams) -> Selection:
         )
         dataset = "synthetic"
     counts = {s: sum(1 for x in landed if x.status == s) for s in ("new", "changed", "unchanged")}
-    logger.info("landed %d partitions of %s: %s", len(landed), dataset, counts)
+    line = f"{len(landed):,} partitions of {dataset}: " + ", ".join(
+        f"{n:,} {status}" for status, n in counts.items() if n
+    )
+    logger.info("landed %s", line)
+    progress.note("data", line)
     products = sorted({x.entry.partition.product for x in landed})
     dates = sorted({x.entry.partition.date for x in landed})
     return Selection(dataset=dataset, products=products, start=dates[0], end=dates[-1])
@@ -117,7 +133,7 @@ def stage_heartbeats_off():
 
 
 @flow(name="research")
-def research(params: ResearchParams = ResearchParams()) -> dict:
+def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
     """The whole loop on the selected data; returns the run summary (also in MLflow)."""
     t0 = time.perf_counter()
     logger = get_run_logger()
@@ -128,7 +144,7 @@ def research(params: ResearchParams = ResearchParams()) -> dict:
     selection = land_data(params)
     entries = selection.entries(ws.catalog())
     data_digest = sha256_json(sorted((str(e.partition), e.digest) for e in entries))
-    shared = dict(workspace=ws, selection=selection, features=params.features)
+    stage = params.stage(selection)
     tags = {
         "prefect_flow_run_id": flow_run.id or "",
         "site": site.name,
@@ -153,27 +169,11 @@ def research(params: ResearchParams = ResearchParams()) -> dict:
         parent.tags(tags)
         parent.flush()
         with stage_heartbeats_off():
-            feats = features_flow(
-                **shared,
-                product_features=params.product_features,
-                shard_size=params.shard_size,
-                parent_run_id=parent.run_id,
-            )
-            trained = train_flow(
-                **shared,
-                product_features=params.product_features,
-                config=params.train,
-                holdout_fraction=params.holdout_fraction,
-                parent_run_id=parent.run_id,
-            )
-            sim = simulate_flow(
-                trained.model_url,
-                **shared,
-                product_features=params.product_features,
-                config=params.simulation,
-                holdout_fraction=params.holdout_fraction,
-                parent_run_id=parent.run_id,
-            )
+            feats = features_flow(stage, shard_size=params.shard_size,
+                                  parent_run_id=parent.run_id)  # fmt: skip
+            trained = train_flow(stage, params.train, parent_run_id=parent.run_id)
+            sim = simulate_flow(trained.model_url, stage, params.simulation,
+                                parent_run_id=parent.run_id)  # fmt: skip
         wall_s = time.perf_counter() - t0
         parent.tags({"model_digest": trained.model_digest})
         parent.metrics(
@@ -189,43 +189,43 @@ def research(params: ResearchParams = ResearchParams()) -> dict:
             }
         )
         run_id = parent.run_id
-    summary = {
-        "nodes": feats.nodes,
-        "cache_hits": feats.cache_hits,
-        "computed": feats.computed,
-        "markout_bps": sim.markout_bps,
-        "baseline_markout_bps": sim.baseline_markout_bps,
-        "hit_rate": sim.model["total"]["hit_rate"],
-        "baseline_hit_rate": sim.baseline["total"]["hit_rate"],
-        "trades": sim.trades,
-        "baseline_trades": sim.baseline_trades,
-        "per_product": {
+    summary = ResearchSummary(
+        dataset=selection.dataset,
+        nodes=feats.nodes,
+        cache_hits=feats.cache_hits,
+        computed=feats.computed,
+        markout_bps=sim.markout_bps,
+        baseline_markout_bps=sim.baseline_markout_bps,
+        hit_rate=sim.model["total"]["hit_rate"],
+        baseline_hit_rate=sim.baseline["total"]["hit_rate"],
+        trades=sim.trades,
+        baseline_trades=sim.baseline_trades,
+        per_product={
             p: {"model": sim.model[p], "baseline": sim.baseline[p]}
             for p in sim.model
             if p != "total"
         },
-        "model_cached": trained.cache_hit,
-        "simulation_cached": sim.cache_hit,
-        "model_digest": trained.model_digest,
-        "model_url": trained.model_url,
-        "data_digest": data_digest,
-        "code_digest": tags["code_digest"],
-        "params_hash": tags["params_hash"],
-        "dataset": selection.dataset,
-        "mlflow_run_id": run_id,
-        "mlflow_stage_runs": {
+        model_cached=trained.cache_hit,
+        simulation_cached=sim.cache_hit,
+        model_digest=trained.model_digest,
+        model_url=trained.model_url,
+        data_digest=data_digest,
+        code_digest=tags["code_digest"],
+        params_hash=tags["params_hash"],
+        mlflow_run_id=run_id,
+        mlflow_stage_runs={
             "features": feats.mlflow_run_id,
             "train": trained.mlflow_run_id,
             "simulate": sim.mlflow_run_id,
         },
-        "mlflow_experiment_id": experiment,
-        "tracking_uri": tracking_block.resolved_uri(),
-        "prefect_flow_run_id": tags["prefect_flow_run_id"],
-        "wall_s": time.perf_counter() - t0,
-    }
+        mlflow_experiment_id=experiment,
+        tracking_uri=tracking_block.resolved_uri(),
+        prefect_flow_run_id=tags["prefect_flow_run_id"],
+        wall_s=time.perf_counter() - t0,
+    )
     links = {
-        name: mlflow_link(summary["tracking_uri"], experiment, rid)
-        for name, rid in {"research": run_id, **summary["mlflow_stage_runs"]}.items()
+        name: mlflow_link(summary.tracking_uri, experiment, rid)
+        for name, rid in {"research": run_id, **summary.mlflow_stage_runs}.items()
         if rid
     }
     create_markdown_artifact(
@@ -233,37 +233,25 @@ def research(params: ResearchParams = ResearchParams()) -> dict:
         key="research-summary",
         description="Mark-out of the model and the baseline, cache hits and MLflow links",
     )
-    logger.info("research done in %.1f s; MLflow run %s", summary["wall_s"], run_id)
+    logger.info("research done in %.1f s; MLflow run %s", summary.wall_s, run_id)
     return summary
 
 
-def summary_markdown(summary: dict, links: dict[str, str]) -> str:
-    horizons = list(summary["markout_bps"])
-    head = "| signal | trades | " + " | ".join(horizons) + " |"
-    rule = "|---|---:|" + "---:|" * len(horizons)
-    rows = [
-        f"| {name} | {summary[t]} | " + " | ".join(f"{summary[k][h]:+.2f}" for h in horizons) + " |"
-        for name, k, t in (
-            ("model", "markout_bps", "trades"),
-            ("baseline (book imbalance)", "baseline_markout_bps", "baseline_trades"),
-        )
-    ]
+def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
     return "\n".join(
         [
-            f"# Research run on `{summary['dataset']}`",
+            f"# Research run on `{summary.dataset}`",
             "",
-            f"Feature nodes: **{summary['nodes']}** ({summary['cache_hits']} cache hits, "
-            f"{summary['computed']} computed). Wall time {summary['wall_s']:.1f} s.",
+            f"Feature nodes: **{summary.nodes}** ({summary.cache_hits} cache hits, "
+            f"{summary.computed} computed). Wall time {summary.wall_s:.1f} s.",
             "",
             "## Mark-out (bps, held-out data)",
-            head,
-            rule,
-            *rows,
+            markout_table(summary).markdown(),
             "",
             "## MLflow runs",
             *(f"- {name}: {link}" for name, link in links.items()),
             "",
-            f"Model `{summary['model_digest'][:16]}`, data `{summary['data_digest'][:16]}`, "
-            f"code `{summary['code_digest'][:16]}`, params `{summary['params_hash'][:16]}`.",
+            f"Model `{summary.model_digest[:16]}`, data `{summary.data_digest[:16]}`, "
+            f"code `{summary.code_digest[:16]}`, params `{summary.params_hash[:16]}`.",
         ]
     )

@@ -10,11 +10,8 @@ import pyarrow.compute as pc
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
-from quantloop.flows.features import FeatureOutput, feature_outputs
-from quantloop.flows.train import fetch_model
-from quantloop.tasks import plots, simulation, storage, tracking, training
-from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.nodes import code_fingerprint, sha256_json
+from quantloop.tasks import plots, progress, simulation, storage, tracking, training
+from quantloop.tasks.nodes import code_fingerprint
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import (
     SimConfig,
@@ -28,8 +25,14 @@ from quantloop.tasks.simulation import (
 from quantloop.tasks.simulation import (
     simulate as replay,
 )
-from quantloop.tasks.training import TrainResult, predict
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.stage import (
+    FeatureOutput,
+    StageParams,
+    feature_outputs,
+    keyed_output,
+    output_key,
+)
+from quantloop.tasks.training import TrainResult, load_model, predict
 
 
 class SimSummary(BaseModel):
@@ -46,36 +49,31 @@ class SimSummary(BaseModel):
 @flow(name="simulate")
 def simulate(
     model_url: str,
-    workspace: Workspace = Workspace(),
-    selection: Selection = Selection(),
-    features: FeatureParams = FeatureParams(),
-    product_features: dict[str, dict] | None = None,
+    stage: StageParams = StageParams(),
     config: SimConfig = SimConfig(),
-    holdout_fraction: float = 0.3,
     parent_run_id: str | None = None,
 ) -> SimSummary:
     """Replay the held-out part of every selected partition with the model and the baseline."""
     logger = get_run_logger()
-    outputs = feature_outputs(workspace, selection, features, product_features)
-    key = sha256_json(
-        {
-            "kind": "simulation",
-            "code": code_fingerprint(simulation, training),
-            "config": asdict(config),
-            "model": model_url.rsplit("/", 1)[-1],
-            "features": sorted(o.key for o in outputs.values()),
-            "holdout_fraction": holdout_fraction,
-        }
+    outputs = feature_outputs(stage)
+    key = output_key(
+        "simulation",
+        code=code_fingerprint(simulation, training),
+        config=asdict(config),
+        model=model_url.rsplit("/", 1)[-1],
+        features=sorted(o.key for o in outputs.values()),
+        holdout_fraction=stage.holdout_fraction,
     )
-    url = storage.join(workspace.resolve_site().root, "simulations", f"{key}.parquet")
-    cache_hit = storage.exists(url)
-    model = fetch_model(model_url)
-    if cache_hit:
+    model = load_model(model_url)
+    sim = keyed_output(
+        stage.workspace.resolve_site().root, "simulation", key, ".parquet",
+        load=lambda url: _split(storage.read_parquet(url)),
+        compute=lambda: replay_all(model, outputs, config, stage.holdout_fraction),
+        save=lambda url, merged: storage.write_parquet_atomic(url, _stack(merged)),
+    )  # fmt: skip
+    merged = sim.value
+    if sim.cache_hit:
         logger.info("simulation %s is cached: not replayed", key[:12])
-        merged = _split(storage.read_parquet(url))
-    else:
-        merged = replay_all(model, outputs, config, holdout_fraction)
-        storage.write_parquet_atomic(url, _stack(merged))
     model_summary = summarize(merged["model"])
     base_summary = summarize(merged["baseline"])
     result = SimSummary(
@@ -85,12 +83,18 @@ def simulate(
         baseline_markout_bps=base_summary["total"]["mean_bps"],
         trades=model_summary["total"]["count"],
         baseline_trades=base_summary["total"]["count"],
-        cache_hit=cache_hit,
+        cache_hit=sim.cache_hit,
     )
     logger.info("model mark-out (bps): %s", _fmt(result.markout_bps))
     logger.info("baseline mark-out (bps): %s", _fmt(result.baseline_markout_bps))
+    progress.note(
+        "simulate",
+        ("cached: " if sim.cache_hit else "")
+        + f"{result.trades:,} model trades, {result.baseline_trades:,} baseline trades "
+        f"on {len(outputs)} held-out partitions",
+    )
     if parent_run_id is not None:
-        client, experiment = tracking.client_for(workspace.resolve_tracking())
+        client, experiment = tracking.client_for(stage.workspace.resolve_tracking())
         with tracking.run(client, experiment, "simulate", parent=parent_run_id) as run:
             run.params({f"sim.{k}": v for k, v in asdict(config).items()})
             run.params({"model_url": model_url, "model_digest": model.model_digest})
@@ -103,7 +107,7 @@ def simulate(
                     )
                     run.metrics({f"{prefix}.hit_rate.{h}": v for h, v in stats["hit_rate"].items()})
             run.flush()
-            run.tags({"simulation_key": key, "cache_hit": cache_hit})
+            run.tags({"simulation_key": key, "cache_hit": sim.cache_hit})
             run.table(_stack(merged), "markouts.parquet", "markouts")
             run.figure(
                 plots.markout_curve(

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import json
-import math
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from quantloop.tasks.summary import TextTable, markout_table
 
 # Options several commands share.
 HomeOption = Annotated[
@@ -19,6 +25,9 @@ HomeOption = Annotated[
 ]
 TrackingUriOption = Annotated[
     str | None, typer.Option(help="MLflow tracking URI [default: SQLite in home]")
+]
+VerboseOption = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Log lines on the console, not only in the log")
 ]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -33,35 +42,66 @@ def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def _progress_sink(bar: Progress):
-    tasks: dict[str, int] = {}
+class _Console:
+    """The progress sink of `quantloop run`: a bar per stage, one line per stage note."""
 
-    def sink(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total)
-        bar.update(tasks[stage], completed=done, total=total)
+    def __init__(self, bar: Progress):
+        self.bar = bar
+        self.tasks: dict[str, int] = {}
 
-    return sink
+    def report(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task(stage, total=total)
+        self.bar.update(self.tasks[stage], completed=done, total=total)
+
+    def note(self, stage: str, message: str) -> None:
+        self.bar.console.print(f"[bold]{stage}[/bold]: {message}", highlight=False)
 
 
-def _markout_table(summary: dict) -> Table:
-    table = Table(title="Mark-out on held-out data (bps)")
-    table.add_column("signal")
-    table.add_column("trades", justify="right")
-    horizons = list(summary["markout_bps"])
-    for h in horizons:
-        table.add_column(h, justify="right")
-    table.add_column(f"hit {horizons[0]}", justify="right")
-    for name, key, trades, hits in (
-        ("model", "markout_bps", "trades", "hit_rate"),
-        ("baseline", "baseline_markout_bps", "baseline_trades", "baseline_hit_rate"),
-    ):
-        cells = [
-            "nan" if math.isnan(summary[key][h]) else f"{summary[key][h]:+.2f}" for h in horizons
-        ]
-        hit = summary[hits][horizons[0]]
-        table.add_row(name, str(summary[trades]), *cells, f"{hit:.1%}")
-    return table
+def rich_table(table: TextTable) -> Table:
+    """A text table for the terminal: no vertical rules, so ten columns of mark-out fit
+    in 80 columns without cutting a name."""
+    out = Table(title=table.title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    for name, numeric in zip(table.columns, table.numeric, strict=True):
+        out.add_column(name, justify="right" if numeric else "left", no_wrap=True)
+    for row in table.rows:
+        out.add_row(*row)
+    return out
+
+
+def quiet_console() -> None:
+    """Only warnings and errors from loggers on the console: what it shows instead is
+    progress bars and one line per stage (the Prefect API still gets every line).
+
+    Prefect's console handler takes its level from the environment when Prefect sets
+    up logging on import, so this runs before Prefect is imported. Dask's INFO lines
+    (scheduler, nanny, close-stream) reach the console through the root logger's
+    handler, so its level keeps them off the console too.
+    """
+    for handler in ("CONSOLE", "CONSOLE_FLOW_RUNS", "CONSOLE_TASK_RUNS"):
+        os.environ.setdefault(f"PREFECT_LOGGING_HANDLERS_{handler}_LEVEL", "WARNING")
+
+
+@contextlib.contextmanager
+def log_file(path: Path) -> Iterator[None]:
+    """Every INFO record of the run (Prefect, Dask, MLflow, quantloop) goes to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s - %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    # Loggers whose own level would drop INFO before it reaches the root's handlers.
+    levels = {n: logging.getLogger(n).level for n in ("distributed", "mlflow")}
+    for name in levels:
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 @app.command()
@@ -79,8 +119,11 @@ def run(
     home: HomeOption = None,
     tracking_uri: TrackingUriOption = None,
     workers: Annotated[int | None, typer.Option(help="LocalCluster workers [default: 2]")] = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Run the research flow: data -> features -> train -> simulate -> MLflow."""
+    if not verbose:
+        quiet_console()
     from quantloop.flows.research import ResearchParams, research
     from quantloop.tasks import progress
 
@@ -101,29 +144,34 @@ def run(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--params") from exc
 
+    stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+    log_path = Path(research_params.workspace.home_abs) / "logs" / f"run-{stamp}.log"
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as bar:
-        progress.install(_progress_sink(bar))
+    with (
+        log_file(log_path),
+        Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as bar,
+    ):
+        progress.install(_Console(bar))
         try:
             summary = research(research_params)
         finally:
             progress.install(None)
-    console.print(_markout_table(summary))
+    console.print(rich_table(markout_table(summary)))
+    cached = [n for n, hit in (("model", summary.model_cached),
+                               ("simulation", summary.simulation_cached)) if hit]  # fmt: skip
     console.print(
-        f"feature nodes: {summary['nodes']} ({summary['cache_hits']} cache hits, "
-        f"{summary['computed']} computed); wall {summary['wall_s']:.1f} s"
+        f"feature nodes: {summary.nodes:,} ({summary.cache_hits:,} cache hits, "
+        f"{summary.computed:,} computed); wall {summary.wall_s:.1f} s"
+        + (f"; cached, not recomputed: {', '.join(cached)}" if cached else "")
     )
-    cached = [n for n, hit in (("model", summary["model_cached"]),
-                               ("simulation", summary["simulation_cached"])) if hit]  # fmt: skip
-    if cached:
-        console.print(f"cached, not recomputed: {', '.join(cached)}")
-    console.print(f"MLflow run {summary['mlflow_run_id']} at {summary['tracking_uri']}")
+    console.print(f"MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}", soft_wrap=True)
+    console.print(f"log: {log_path}", soft_wrap=True)
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
         tmp = summary_json.with_name(f".{summary_json.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(summary, indent=2, default=str))
+        tmp.write_text(summary.model_dump_json(indent=2))
         os.replace(tmp, summary_json)
-        console.print(f"summary written to {summary_json}")
+        console.print(f"summary written to {summary_json}", soft_wrap=True)
 
 
 @app.command()

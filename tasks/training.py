@@ -11,12 +11,12 @@ optimization ladder (torch.compile, autocast, CUDA graphs) can wrap.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from quantloop.models.orderbook import ModelConfig, OrderBookNet
+from quantloop.tasks import storage
 
 INPUT_CLIP = 10.0  # standardized inputs are clipped to +-10 std: one wild event can't dominate
 
@@ -382,9 +383,9 @@ def predict(
     return result.normalizer.unscale_labels(out)
 
 
-def save_model(result: TrainResult, path: str | os.PathLike) -> None:
-    """torch.save of the state dict, configs, normalizer and metadata; atomic via os.replace."""
-    path = Path(path)
+def save_model(result: TrainResult, url: str | os.PathLike) -> None:
+    """torch.save of the state dict, configs, normalizer and metadata to a local path or
+    an object-store URL, atomically (storage.write_bytes_atomic)."""
     payload = {
         "format": 1,
         "state_dict": {k: v.detach().cpu() for k, v in result.model.state_dict().items()},
@@ -401,21 +402,20 @@ def save_model(result: TrainResult, path: str | os.PathLike) -> None:
         "samples_per_s": result.samples_per_s,
         "device": result.device,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    storage.write_bytes_atomic(os.fspath(url), buffer.getvalue())
 
 
-def load_model(path: str | os.PathLike, device: str = "cpu") -> TrainResult:
-    """Inverse of save_model; the model comes back in eval mode on `device`.
+def load_model(url: str | os.PathLike, device: str = "cpu") -> TrainResult:
+    """Inverse of save_model (a local path or an object-store URL); the model comes back
+    in eval mode on `device`.
 
     Raises ValueError if the weights do not match the stored digest.
     """
-    payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    path = os.fspath(url)
+    data = io.BytesIO(storage.read_bytes(path))
+    payload = torch.load(data, map_location="cpu", weights_only=True)
     model_cfg = ModelConfig(**payload["model_config"])
     model = OrderBookNet(model_cfg)
     model.load_state_dict(payload["state_dict"])

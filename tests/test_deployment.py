@@ -21,8 +21,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.deploy import REPO_ROOT, deploy, ensure_pool
 from quantloop.blocks import MlflowTracking, Site
-from quantloop.flows.features import feature_outputs
-from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.stage import StageParams, feature_outputs
 from quantloop.tasks.workspace import Selection, Workspace
 from tests import servers
 
@@ -113,8 +112,8 @@ def test_research_deployment_runs_on_a_process_worker(prefect_server, tmp_path, 
     )
     assert {r.info.run_name for r in children} >= {"features", "train", "simulate"}
 
-    workspace = Workspace(home=str(home))
-    outputs = feature_outputs(workspace, Selection(products=["SYNA"]), FeatureParams())
+    stage = StageParams(workspace=Workspace(home=str(home)), selection=Selection(products=["SYNA"]))
+    outputs = feature_outputs(stage)
     assert len(outputs) == 2
     # Each read checks the stored bytes against the digest recorded when they were written.
     assert all(out.read().num_rows > 0 for out in outputs.values())
@@ -136,7 +135,7 @@ def test_operator_setup_from_infra_readme(prefect_server, mlflow_uri):
     """infra/README.md's steps: register the blocks, save them, deploy prefect.yaml."""
     api, folder = prefect_server
     with temporary_settings({PREFECT_API_URL: api}):
-        prefect_cli(api, folder / "cli-home", "block", "register", "-m", "blocks")
+        prefect_cli(api, folder / "cli-home", "block", "register", "-m", "quantloop.blocks")
         Site(name="onprem", scheduler_address="tcp://10.0.0.5:8786", storage_root="s3://x/y").save(
             "onprem", overwrite=True
         )

@@ -28,9 +28,18 @@ SUBPACKAGES = ("flows", "tasks", "blocks", "models", "profiling")
 def wheel(tmp_path_factory) -> tuple[Path, Path]:
     """(the built wheel, its contents unpacked as site-packages would hold them)."""
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy of what the wheel is made of: setuptools builds in the source
+    # tree (build/), where a stale module from an earlier build could slip in.
+    src = out / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in ("quantloop", *SUBPACKAGES):
+        shutil.copytree(ROOT / folder, src / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(out), str(ROOT)],
+         "--wheel-dir", str(out), str(src)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     [whl] = out.glob("quantloop-*.whl")

@@ -54,32 +54,32 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     params = tiny_params(tmp_path / "home", mlflow_uri)
     first = research(params)
 
-    assert first["nodes"] == 6 and first["computed"] == 6 and first["cache_hits"] == 0
-    assert set(first["markout_bps"]) == {"1s", "5s", "30s", "60s", "300s", "10ev", "100ev"}
-    assert first["trades"] > 0 and first["baseline_trades"] > 0
-    assert first["tracking_uri"] == mlflow_uri
+    assert first.nodes == 6 and first.computed == 6 and first.cache_hits == 0
+    assert set(first.markout_bps) == {"1s", "5s", "30s", "60s", "300s", "10ev", "100ev"}
+    assert first.trades > 0 and first.baseline_trades > 0
+    assert first.tracking_uri == mlflow_uri
 
     client = MlflowClient(mlflow_uri)
-    parent = client.get_run(first["mlflow_run_id"])
+    parent = client.get_run(first.mlflow_run_id)
     tags = parent.data.tags
     for tag in ("code_digest", "data_digest", "params_hash", "model_digest"):
         assert len(tags[tag]) == 64, tag
-    assert tags["prefect_flow_run_id"] == first["prefect_flow_run_id"] != ""
+    assert tags["prefect_flow_run_id"] == first.prefect_flow_run_id != ""
     assert tags["site"] == "local"
     assert parent.data.metrics["nodes"] == 6
-    assert parent.data.metrics["markout_bps.5s"] == pytest.approx(first["markout_bps"]["5s"])
+    assert parent.data.metrics["markout_bps.5s"] == pytest.approx(first.markout_bps["5s"])
     assert "baseline_markout_bps.5s" in parent.data.metrics
 
     stages = children(client, parent.info.run_id)
     assert set(stages) == {"features", "train", "simulate"}
     assert {r.data.tags["prefect_flow_run_id"] for r in stages.values()} != {""}
-    assert first["mlflow_stage_runs"] == {n: r.info.run_id for n, r in stages.items()}
+    assert first.mlflow_stage_runs == {n: r.info.run_id for n, r in stages.items()}
 
     # The Prefect UI's summary: a markdown artifact of the flow run, linking every MLflow run.
     with get_client(sync_client=True) as prefect:
         artifacts = prefect.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["research-summary"])),
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first["prefect_flow_run_id"]])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first.prefect_flow_run_id])),
         )
     [artifact] = artifacts
     assert "Mark-out" in artifact.data and all(r.info.run_id in artifact.data
@@ -106,23 +106,23 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
 
     loss = client.get_metric_history(stages["train"].info.run_id, "loss")
     assert [m.step for m in loss] == [5, 10, 15, 20, 25, 30]
-    assert stages["train"].data.tags["model_digest"] == first["model_digest"]
+    assert stages["train"].data.tags["model_digest"] == first.model_digest
     artifacts = {a.path for a in client.list_artifacts(stages["simulate"].info.run_id)}
     assert {"markout_curve.png", "markouts"} <= artifacts
     assert "model.total.markout_bps.5s" in stages["simulate"].data.metrics
 
     again = research(params)
-    assert again["cache_hits"] == again["nodes"] == 6 and again["computed"] == 0
-    assert again["model_cached"] and again["simulation_cached"]
-    assert again["model_digest"] == first["model_digest"]
-    assert again["markout_bps"] == first["markout_bps"]
+    assert again.cache_hits == again.nodes == 6 and again.computed == 0
+    assert again.model_cached and again.simulation_cached
+    assert again.model_digest == first.model_digest
+    assert again.markout_bps == first.markout_bps
 
     changed = research(
         tiny_params(tmp_path / "home", mlflow_uri, product_features={"SYNB": {"ofi_window": 20}})
     )
-    assert changed["computed"] == 3 and changed["cache_hits"] == 3
-    assert not changed["model_cached"]  # SYNB's features changed, so the model must too
-    stages = children(client, changed["mlflow_run_id"])
+    assert changed.computed == 3 and changed.cache_hits == 3
+    assert not changed.model_cached  # SYNB's features changed, so the model must too
+    stages = children(client, changed.mlflow_run_id)
     manifest = pq.read_table(
         client.download_artifacts(
             stages["features"].info.run_id, "manifest/features_manifest.parquet", str(tmp_path)
@@ -145,7 +145,7 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     lineage = json.loads(out.output)
     assert lineage["params"]["ofi_window"] == 20
     assert lineage["inputs"][0]["dataset"] == "synthetic"
-    assert [m["model_digest"] for m in lineage["used_by_models"]] == [changed["model_digest"]]
+    assert [m["model_digest"] for m in lineage["used_by_models"]] == [changed.model_digest]
     out = runner.invoke(app, ["nodes", "--home", home, "--product", "SYNA", "--all-runs"])
     assert out.exit_code == 0 and "9 of 18 nodes match" in out.output
 
@@ -161,10 +161,10 @@ def test_research_on_lobster_files(prefect_api, tmp_path, lobster_dir):
     )
     summary = research(params)
     # AMZN's 1-level file is superseded by its 5-level file for the same day.
-    assert summary["dataset"] == "lobster" and summary["nodes"] == 2
-    assert set(summary["per_product"]) == {"AMZN", "GOOG"}
-    assert summary["trades"] > 0
-    assert summary["tracking_uri"].startswith("sqlite:///")
+    assert summary.dataset == "lobster" and summary.nodes == 2
+    assert set(summary.per_product) == {"AMZN", "GOOG"}
+    assert summary.trades > 0
+    assert summary.tracking_uri.startswith("sqlite:///")
 
 
 def test_cli_rejects_unknown_parameter_before_writing_anything(tmp_path):
