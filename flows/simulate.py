@@ -91,7 +91,7 @@ def simulate(
         "simulate",
         ("cached: " if sim.cache_hit else "")
         + f"{result.trades:,} model trades, {result.baseline_trades:,} baseline trades "
-        f"on {len(outputs)} held-out partitions",
+        f"on the held-out part of {len(outputs)} partitions",
     )
     if parent_run_id is not None:
         client, experiment = tracking.client_for(stage.workspace.resolve_tracking())

@@ -61,7 +61,13 @@ class _Console:
 def rich_table(table: TextTable) -> Table:
     """A text table for the terminal: no vertical rules, so ten columns of mark-out fit
     in 80 columns without cutting a name."""
-    out = Table(title=table.title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    out = Table(
+        title=table.title,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        padding=(0, 1),
+        collapse_padding=True,
+    )
     for name, numeric in zip(table.columns, table.numeric, strict=True):
         out.add_column(name, justify="right" if numeric else "left", no_wrap=True)
     for row in table.rows:
@@ -83,25 +89,38 @@ def quiet_console() -> None:
 
 
 @contextlib.contextmanager
-def log_file(path: Path) -> Iterator[None]:
-    """Every INFO record of the run (Prefect, Dask, MLflow, quantloop) goes to `path`."""
+def log_file(path: Path, *, quiet: bool) -> Iterator[None]:
+    """Every INFO record of the run (Prefect, Dask, MLflow, quantloop) goes to `path`;
+    with `quiet`, MLflow's own console handler shows only warnings too."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s - %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    # Loggers whose own level would drop INFO before it reaches the root's handlers.
-    levels = {n: logging.getLogger(n).level for n in ("distributed", "mlflow")}
-    for name in levels:
-        logging.getLogger(name).setLevel(logging.INFO)
+    undo: list = []
+    logging.getLogger().addHandler(handler)
+    undo.append(lambda: logging.getLogger().removeHandler(handler))
+    # Dask's loggers drop INFO themselves unless told otherwise; MLflow's does not
+    # propagate to the root (it has a console handler of its own).
+    for name in ("distributed", "mlflow"):
+        logger = logging.getLogger(name)
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        undo.append(lambda logger=logger, level=level: logger.setLevel(level))
+        if logger.propagate:
+            continue
+        logger.addHandler(handler)
+        undo.append(lambda logger=logger: logger.removeHandler(handler))
+        for own in logger.handlers:
+            if quiet and isinstance(own, logging.StreamHandler) and own is not handler:
+                old = own.level
+                own.setLevel(logging.WARNING)
+                undo.append(lambda own=own, old=old: own.setLevel(old))
     try:
         yield
     finally:
-        root.removeHandler(handler)
+        for step in reversed(undo):
+            step()
         handler.close()
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
 
 
 @app.command()
@@ -148,7 +167,7 @@ def run(
     log_path = Path(research_params.workspace.home_abs) / "logs" / f"run-{stamp}.log"
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with (
-        log_file(log_path),
+        log_file(log_path, quiet=not verbose),
         Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as bar,
     ):
         progress.install(_Console(bar))

@@ -1,0 +1,81 @@
+"""The `quantloop` command as a user runs it: what the console shows, what the log keeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from quantloop.cli import rich_table
+from quantloop.tasks.summary import ResearchSummary, markout_table
+
+HORIZONS = ["1s", "5s", "30s", "60s", "300s", "10ev", "100ev"]
+
+
+def summary(**changes) -> ResearchSummary:
+    curve = {h: -1.2345 for h in HORIZONS}
+    values = dict(
+        dataset="lobster", nodes=2, cache_hits=0, computed=2, markout_bps=curve,
+        baseline_markout_bps={**curve, "300s": float("nan")}, hit_rate={"1s": 0.4567},
+        baseline_hit_rate={"1s": 0.5}, trades=123_456, baseline_trades=98_765, per_product={},
+        model_cached=False, simulation_cached=False, model_digest="m" * 64, model_url="x",
+        data_digest="d" * 64, code_digest="c" * 64, params_hash="p" * 64, mlflow_run_id="r",
+        mlflow_stage_runs={}, mlflow_experiment_id="1", tracking_uri="sqlite:///x",
+        prefect_flow_run_id="f", wall_s=1.0,
+    )  # fmt: skip
+    return ResearchSummary(**{**values, **changes})
+
+
+def test_markout_table_fits_an_80_column_terminal_without_cutting_a_name():
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(rich_table(markout_table(summary())))
+    text = console.export_text()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for name in ("signal", "trades", *HORIZONS, "hit 1s", "model", "baseline", "123,456"):
+        assert name in text, name
+    assert "-1.23" in text and "nan" in text and "45.7%" in text
+
+
+def test_markout_table_as_markdown_is_the_same_table():
+    md = markout_table(summary()).markdown().splitlines()
+    assert md[0] == "| signal | trades | " + " | ".join(HORIZONS) + " | hit 1s |"
+    assert md[1] == "|---|" + "---:|" * (len(HORIZONS) + 2)
+    assert md[2].startswith("| model | 123,456 | -1.23 |")
+
+
+@pytest.mark.slow
+def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(tmp_path):
+    """`quantloop run` on a tiny synthetic set: the console has the stage lines and the
+    table, not Dask's INFO lines; the log file has those."""
+    params = tmp_path / "params.json"
+    params.write_text(json.dumps({
+        "data": {"products": ["SYNA"], "n_dates": 2,
+                 "synthetic": {"events_per_day": 2_000, "levels": 2}},
+        "train": {"steps": 10, "batch_size": 32},
+    }))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), COLUMNS="80")
+    exe = Path(sys.executable).with_name("quantloop")
+    home = tmp_path / "home"
+    proc = subprocess.run(
+        [str(exe), "run", "--params", str(params), "--home", str(home),
+         "--summary-json", str(tmp_path / "summary.json"), "--workers", "1"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-4000:]
+    for line in ("data: 2 partitions of synthetic: 2 new", "features: 2 nodes",
+                 "train: trained on", "simulate: ", "Mark-out on held-out data"):  # fmt: skip
+        assert line in console, line
+    assert "distributed." not in console and "| INFO" not in console, console
+    assert "Creating initial MLflow database tables" not in console
+    [log] = (home / "logs").glob("run-*.log")
+    kept = log.read_text()
+    assert "distributed.scheduler" in kept and "Beginning flow run" in kept
+    assert json.loads((tmp_path / "summary.json").read_text())["nodes"] == 2
