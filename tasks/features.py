@@ -74,28 +74,6 @@ def _col(table: pa.Table, name: str) -> np.ndarray:
     return table.column(name).to_numpy(zero_copy_only=False)
 
 
-def rolling_sum(x: np.ndarray, window: int) -> np.ndarray:
-    """Sum of the last `window` values (fewer at the start), via one cumsum."""
-    c = np.cumsum(x, dtype=np.float64)
-    out = c.copy()
-    out[window:] -= c[:-window]
-    return out
-
-
-def lagged_diff_bps(mid: np.ndarray, lag: int) -> np.ndarray:
-    """log(mid_t / mid_{t-lag}) in basis points; 0 where t < lag."""
-    out = np.zeros_like(mid)
-    out[lag:] = np.log(mid[lag:] / mid[:-lag]) * 1e4
-    return out
-
-
-def future_move_bps(mid: np.ndarray, horizon: int) -> np.ndarray:
-    """(mid_{t+h} - mid_t) / mid_t in basis points; NaN where t+h is past the day."""
-    out = np.full_like(mid, np.nan)
-    out[:-horizon] = (mid[horizon:] - mid[:-horizon]) / mid[:-horizon] * 1e4
-    return out
-
-
 def depth_imbalances(table: pa.Table, levels: int, book_levels: int) -> list[np.ndarray]:
     """(bid depth - ask depth) / total depth over the first k levels, for k = 1..levels.
 
@@ -160,8 +138,9 @@ def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pos, np.repeat(lengths, lengths)
 
 
-def _rolling_per_segment(x: np.ndarray, window: int, lengths: np.ndarray) -> np.ndarray:
-    """rolling_sum of each segment on its own, bit for bit.
+def rolling_sums(x: np.ndarray, window: int, lengths: np.ndarray) -> np.ndarray:
+    """Sum of the last `window` values (fewer at a segment's start) within each segment of
+    `lengths` consecutive rows, each segment on its own, bit for bit.
 
     A cumsum across segments would round differently, and a node's output must not
     depend on which nodes shared its batch. Segments of one length are stacked into a
@@ -226,9 +205,9 @@ def compute_features_many(books: list[pa.Table], params: FeatureParams) -> list[
         cols[f"imbalance_{k}"] = imbalance
     ofi = order_flow_imbalance(bid, bid_size, ask, ask_size)
     ofi[pos == 0] = 0.0  # a partition's first event has no previous book
-    mean_depth = _rolling_per_segment(touch_depth, params.ofi_window, lengths) / params.ofi_window
+    mean_depth = rolling_sums(touch_depth, params.ofi_window, lengths) / params.ofi_window
     cols["ofi"] = np.divide(
-        _rolling_per_segment(ofi, params.ofi_window, lengths),
+        rolling_sums(ofi, params.ofi_window, lengths),
         mean_depth,
         out=np.zeros_like(ofi),
         where=mean_depth > 0,
@@ -237,7 +216,7 @@ def compute_features_many(books: list[pa.Table], params: FeatureParams) -> list[
         cols[f"ret_{k}"] = _lagged_diff_bps(mid, k, pos)
     step = _lagged_diff_bps(mid, 1, pos)
     for w in params.vol_windows:
-        cols[f"rv_{w}"] = np.sqrt(_rolling_per_segment(step**2, w, lengths))
+        cols[f"rv_{w}"] = np.sqrt(rolling_sums(step**2, w, lengths))
     cols["log_depth"] = np.log1p(touch_depth)
     for h in params.label_horizons:
         cols[f"label_{h}"] = _future_move_bps(mid, h, pos, seg_len)
@@ -247,7 +226,8 @@ def compute_features_many(books: list[pa.Table], params: FeatureParams) -> list[
 
 
 def _lagged_diff_bps(mid: np.ndarray, lag: int, pos: np.ndarray) -> np.ndarray:
-    """lagged_diff_bps within each segment: 0 where the lag reaches before its start."""
+    """log(mid_t / mid_{t-lag}) in bps within each segment: 0 where the lag reaches before
+    its start."""
     out = np.zeros_like(mid)
     if lag < len(mid):
         ok = pos[lag:] >= lag
@@ -256,7 +236,8 @@ def _lagged_diff_bps(mid: np.ndarray, lag: int, pos: np.ndarray) -> np.ndarray:
 
 
 def _future_move_bps(mid: np.ndarray, horizon: int, pos: np.ndarray, seg_len: np.ndarray):
-    """future_move_bps within each segment: NaN where the horizon passes its end."""
+    """(mid_{t+h} - mid_t) / mid_t in bps within each segment: NaN where the horizon
+    passes its end."""
     out = np.full_like(mid, np.nan)
     if horizon < len(mid):
         ok = (pos + horizon < seg_len)[:-horizon]

@@ -10,7 +10,7 @@ recomputing it.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -139,8 +139,3 @@ def keyed_output(
     value = compute()
     save(url, value)
     return Keyed(key, url, value, cache_hit=False)
-
-
-def params_by_product(plan: FeaturePlan) -> Mapping[str, dict]:
-    """Each product's effective feature parameters (base plus its overrides)."""
-    return {p: v.canonical() for p, v in sorted(plan.per_product.items())}

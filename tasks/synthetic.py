@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,16 +88,6 @@ def partition_seed(seed: int, product: str, date: dt.date) -> np.random.SeedSequ
     """A stable per-partition seed: same on every machine and run (unlike hash())."""
     digest = hashlib.sha256(product.encode()).digest()
     return np.random.SeedSequence([seed, int.from_bytes(digest[:8], "little"), date.toordinal()])
-
-
-def generate_days(
-    products: Iterable[str], dates: Iterable[dt.date], cfg: SyntheticConfig
-) -> Iterator[tuple[Partition, pa.Table]]:
-    """Every (product, date) combination, one table at a time."""
-    dates = list(dates)
-    for product in products:
-        for date in dates:
-            yield Partition(product, date), generate_day(product, date, cfg)
 
 
 def generate_day(product: str, date: dt.date, cfg: SyntheticConfig) -> pa.Table:

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from quantloop.tasks.features import FeatureParams, compute_features, feature_set, rolling_sum
+from quantloop.tasks.features import FeatureParams, compute_features, feature_set, rolling_sums
 from quantloop.tasks.schema import book_schema
 
 PARAMS = FeatureParams(
@@ -81,11 +81,17 @@ def test_halted_and_one_sided_rows_are_dropped():
     assert f["time"].to_pylist() == [34_200.0, 34_203.0, 34_204.0]
 
 
-def test_rolling_sum_matches_a_loop():
+def test_rolling_sums_match_a_loop_within_each_segment():
     x = np.random.default_rng(0).normal(size=200)
+    lengths = np.array([120, 0, 50, 30])  # an empty segment too
+    starts = np.cumsum(lengths) - lengths
     for w in (1, 3, 50, 500):
-        want = [x[max(0, i - w + 1) : i + 1].sum() for i in range(len(x))]
-        assert rolling_sum(x, w) == pytest.approx(want)
+        want = [
+            x[max(start, i - w + 1) : i + 1].sum()
+            for start, n in zip(starts, lengths, strict=True)
+            for i in range(start, start + n)
+        ]
+        assert rolling_sums(x, w, lengths) == pytest.approx(want)
 
 
 def test_unknown_and_bad_parameters_name_the_field():
