@@ -141,6 +141,8 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
     site = ws.resolve_site()
     tracking_block = ws.resolve_tracking()
     client, experiment = tracking.client_for(tracking_block)
+    for dead in tracking.close_dead_runs(client, experiment):
+        logger.warning("MLflow run %s was left RUNNING by a process that died: marked KILLED", dead)
     selection = land_data(params)
     entries = selection.entries(ws.catalog())
     data_digest = sha256_json(sorted((str(e.partition), e.digest) for e in entries))

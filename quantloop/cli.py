@@ -145,6 +145,7 @@ def run(
         quiet_console()
     from quantloop.flows.research import ResearchParams, research
     from quantloop.tasks import progress
+    from quantloop.tasks.reaper import reap_on_death
 
     values = json.loads(params.read_text()) if params else {}
     ws = values.setdefault("workspace", {})
@@ -172,7 +173,10 @@ def run(
     ):
         progress.install(_Console(bar))
         try:
-            summary = research(research_params)
+            # A kill -9 of this command ends the temporary Prefect server and the Dask
+            # processes with it (tasks/reaper.py).
+            with reap_on_death():
+                summary = research(research_params)
         finally:
             progress.install(None)
     console.print(rich_table(markout_table(summary)))

@@ -7,12 +7,15 @@ metric at a time; stages collect values and send them with `RunLog.flush()`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import psutil
 import pyarrow as pa
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
@@ -26,8 +29,12 @@ PARENT_TAG = "mlflow.parentRunId"
 
 def client_for(tracking: MlflowTracking) -> tuple[MlflowClient, str]:
     """A client and the experiment id, creating the experiment if needed."""
-    client = MlflowClient(tracking_uri=tracking.resolved_uri())
-    exp = client.get_experiment_by_name(tracking.experiment)
+    uri = tracking.resolved_uri()
+    client = MlflowClient(tracking_uri=uri)
+    with _store_lock(uri):
+        # The first call creates a SQLite store's tables: two first runs at once raced
+        # in its migration (alembic_version ... 0 found, 1 of 3 pairs here).
+        exp = client.get_experiment_by_name(tracking.experiment)
     if exp is not None:
         return client, exp.experiment_id
     try:
@@ -40,6 +47,61 @@ def client_for(tracking: MlflowTracking) -> tuple[MlflowClient, str]:
         if exp is None:
             raise
         return client, exp.experiment_id
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """An exclusive lock beside a local SQLite store while it may be created; nothing
+    for a tracking server, which serializes its own writes."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    path = uri[len("sqlite:///") :]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# Who made a run: a later run on the same host can tell a run whose process died
+# (SIGKILL, power loss) from one still going, and mark it KILLED.
+HOST_TAG, PID_TAG, PID_START_TAG = "quantloop.host", "quantloop.pid", "quantloop.pid_start"
+
+
+def _owner_tags() -> dict[str, str]:
+    me = psutil.Process()
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(me.pid),
+            PID_START_TAG: repr(me.create_time())}  # fmt: skip
+
+
+def _process_alive(pid: int, started: str) -> bool:
+    try:
+        return repr(psutil.Process(pid).create_time()) == started
+    except psutil.Error:
+        return False
+
+
+def close_dead_runs(client: MlflowClient, experiment_id: str) -> list[str]:
+    """Mark KILLED the RUNNING runs this host's processes made and left behind when they
+    died; returns their ids. Runs of other hosts are left alone (their liveness is not
+    visible from here)."""
+    host = socket.gethostname()
+    found = client.search_runs(
+        [experiment_id],
+        filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'",
+        max_results=1000,
+    )
+    closed = []
+    for r in found:
+        tags = r.data.tags
+        if PID_TAG in tags and not _process_alive(int(tags[PID_TAG]), tags.get(PID_START_TAG, "")):
+            client.set_tag(r.info.run_id, "quantloop.closed", "its process died; marked KILLED")
+            client.set_terminated(r.info.run_id, "KILLED")
+            closed.append(r.info.run_id)
+    return closed
 
 
 class RunLog:
@@ -113,7 +175,7 @@ def run(
     tags: Mapping[str, Any] | None = None,
 ) -> Iterator[RunLog]:
     """An MLflow run that ends FINISHED, or FAILED if the block raises; flushed on exit."""
-    all_tags = {"mlflow.runName": name, **_prefect_tags(), **(tags or {})}
+    all_tags = {"mlflow.runName": name, **_owner_tags(), **_prefect_tags(), **(tags or {})}
     if parent:
         all_tags[PARENT_TAG] = parent
     created = client.create_run(
