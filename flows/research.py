@@ -15,22 +15,28 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quantloop.flows.features import features as features_flow
 from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
 from quantloop.tasks import progress, tracking
 from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.landing import business_days, land_lobster, land_synthetic
+from quantloop.tasks.landing import business_days, land_lobster, land_synthetic, read_lobster_folder
 from quantloop.tasks.nodes import sha256_json
+from quantloop.tasks.planning import product_params
 from quantloop.tasks.provenance import code_digest, git_commit
+from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import SimConfig
 from quantloop.tasks.stage import StageParams
 from quantloop.tasks.summary import ResearchSummary, markout_table
 from quantloop.tasks.synthetic import SyntheticConfig
 from quantloop.tasks.training import TrainConfig
 from quantloop.tasks.workspace import Selection, Workspace
+
+# The dates a run may name: wide enough for any market data, narrow enough to catch a
+# typo (a start date in 1800 used to be accepted and generated).
+FIRST_DATE, LAST_DATE = dt.date(1970, 1, 1), dt.date(2099, 12, 31)
 
 
 class DataSource(BaseModel):
@@ -44,13 +50,33 @@ class DataSource(BaseModel):
         "Empty: generate synthetic order books.",
     )
     products: list[str] = Field(
-        default=["SYNA", "SYNB", "SYNC"], description="Synthetic products to generate."
+        default=["SYNA", "SYNB", "SYNC"],
+        min_length=1,
+        description="Synthetic products to generate (at least one; letters, digits, '.', "
+        "'_', '-').",
     )
-    start_date: dt.date = Field(default=dt.date(2026, 3, 2), description="First synthetic date.")
-    n_dates: int = Field(default=4, ge=2, description="Synthetic trading days per product.")
+    start_date: dt.date = Field(
+        default=dt.date(2026, 3, 2),
+        ge=FIRST_DATE,
+        le=LAST_DATE,
+        description=f"First synthetic date ({FIRST_DATE} to {LAST_DATE}).",
+    )
+    n_dates: int = Field(
+        default=4, ge=2, le=10_000, description="Synthetic trading days per product (2 to 10,000)."
+    )
     synthetic: SyntheticConfig = Field(
         default_factory=SyntheticConfig, description="Synthetic generator settings."
     )
+
+    @field_validator("products")
+    @classmethod
+    def _products(cls, products: list[str]) -> list[str]:
+        for p in products:
+            Partition(p, FIRST_DATE)  # the name rule partitions enforce, with its message
+        duplicated = sorted({p for p in products if products.count(p) > 1})
+        if duplicated:
+            raise ValueError(f"products listed more than once: {duplicated}")
+        return products
 
 
 class ResearchParams(BaseModel):
@@ -71,6 +97,43 @@ class ResearchParams(BaseModel):
         default=0.3, gt=0, lt=1, description="Share of dates (or of the day) held out."
     )
     shard_size: int = Field(default=50_000, ge=1, description="Nodes per Prefect shard task.")
+
+    @model_validator(mode="after")
+    def _overrides(self) -> ResearchParams:
+        # Checked here, before any server starts: a typo in an override used to surface
+        # 20 s into a run. With LOBSTER data the products are known only once the files
+        # are read (preflight), so only the parameter names are checked here.
+        if self.data.lobster_dir is None:
+            product_params(self.features, self.product_features, self.data.products)
+        else:
+            product_params(self.features, self.product_features, list(self.product_features))
+        return self
+
+    def preflight(self) -> list[str]:
+        """Check the inputs a run will read, before anything starts: the LOBSTER folder
+        is read and validated whole (every file, every row), the per-product overrides
+        are checked against its products, and each training part must be long enough
+        to give training windows. Returns the products. Raises ValueError (or
+        DataValidationError, a ValueError) naming the file, row, column or field."""
+        if self.data.lobster_dir is None:
+            rows = {p: self.data.synthetic.events_per_day for p in self.data.products}
+        else:
+            days = read_lobster_folder(self.data.lobster_dir)
+            rows = {}
+            for day in days:
+                rows[day.product] = max(rows.get(day.product, 0), day.table.num_rows)
+        product_params(self.features, self.product_features, sorted(rows))
+        horizon = max(self.features.label_horizons)
+        short = sorted(p for p, n in rows.items() if n <= horizon)
+        if short:
+            raise ValueError(
+                f"too little data to train: {', '.join(short)} "
+                f"{'has' if len(short) == 1 else 'have'} at most "
+                f"{min(rows[p] for p in short):,} events a day, but the longest label "
+                f"horizon is {horizon} events (features.label_horizons); give more events "
+                "per day (data.synthetic.events_per_day) or shorter label horizons"
+            )
+        return sorted(rows)
 
     def stage(self, selection: Selection) -> StageParams:
         """What the stage flows take: this run's workspace and features on `selection`."""

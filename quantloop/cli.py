@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -76,8 +77,9 @@ def rich_table(table: TextTable) -> Table:
 
 
 def quiet_console() -> None:
-    """Only warnings and errors from loggers on the console: what it shows instead is
-    progress bars and one line per stage (the Prefect API still gets every line).
+    """No log lines on the console: it shows progress bars, one line per stage, and
+    one line for an error; every log line goes to the run's log file and the Prefect
+    API. (A failed run used to print its traceback three times: task, stage, flow.)
 
     Prefect's console handler takes its level from the environment when Prefect sets
     up logging on import, so this runs before Prefect is imported. Dask's INFO lines
@@ -85,7 +87,7 @@ def quiet_console() -> None:
     handler, so its level keeps them off the console too.
     """
     for handler in ("CONSOLE", "CONSOLE_FLOW_RUNS", "CONSOLE_TASK_RUNS"):
-        os.environ.setdefault(f"PREFECT_LOGGING_HANDLERS_{handler}_LEVEL", "WARNING")
+        os.environ.setdefault(f"PREFECT_LOGGING_HANDLERS_{handler}_LEVEL", "CRITICAL")
 
 
 @contextlib.contextmanager
@@ -113,7 +115,7 @@ def log_file(path: Path, *, quiet: bool) -> Iterator[None]:
         for own in logger.handlers:
             if quiet and isinstance(own, logging.StreamHandler) and own is not handler:
                 old = own.level
-                own.setLevel(logging.WARNING)
+                own.setLevel(logging.CRITICAL)
                 undo.append(lambda own=own, old=old: own.setLevel(old))
     try:
         yield
@@ -121,6 +123,39 @@ def log_file(path: Path, *, quiet: bool) -> Iterator[None]:
         for step in reversed(undo):
             step()
         handler.close()
+
+
+def fail(message: str, *, code: int = 2, verbose: bool = False, exc: Exception | None = None):
+    """Print one error (no traceback unless verbose) and exit: 2 for bad input, 1 for a
+    run that failed."""
+    if verbose and exc is not None:
+        console.print_exception()
+    console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def read_params(path: Path) -> dict:
+    """The research parameters of a JSON file; a missing or malformed file is named."""
+    try:
+        values = json.loads(path.read_text())
+    except OSError as exc:
+        fail(f"--params {path}: {exc.strerror or exc}")
+    except json.JSONDecodeError as exc:
+        fail(f"--params {path}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}")
+    if not isinstance(values, dict):
+        fail(f"--params {path}: expected a JSON object of parameters, got {type(values).__name__}")
+    return values
+
+
+def validation_errors(exc: ValidationError) -> list[str]:
+    """One `field.path: what is wrong (given: value)` per error of a parameter model."""
+    out = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "parameters"
+        message = err["msg"].removeprefix("Value error, ")
+        given = "" if err["type"] == "missing" else f" (given: {err['input']!r:.60})"
+        out.append(f"{where}: {message}{given}")
+    return out
 
 
 @app.command()
@@ -147,7 +182,7 @@ def run(
     from quantloop.tasks import progress
     from quantloop.tasks.reaper import reap_on_death
 
-    values = json.loads(params.read_text()) if params else {}
+    values = read_params(params) if params else {}
     ws = values.setdefault("workspace", {})
     if home is not None:
         ws["home"] = home
@@ -157,12 +192,19 @@ def run(
         ws["n_workers"] = workers
     if lobster is not None:
         if not lobster.exists():
-            raise typer.BadParameter(f"{lobster} does not exist", param_hint="--lobster")
+            fail(f"--lobster: {lobster} does not exist")
         values.setdefault("data", {})["lobster_dir"] = str(lobster.resolve())
+    source = f"--params {params}" if params else "the parameters"
     try:
         research_params = ResearchParams.model_validate(values)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--params") from exc
+    except ValidationError as exc:
+        fail(f"{source}: " + "; ".join(validation_errors(exc)))
+    # Bad input fails here, in seconds, before any server starts: the LOBSTER folder
+    # is read and validated whole, overrides checked against its products.
+    try:
+        research_params.preflight()
+    except (ValueError, OSError) as exc:
+        fail(str(exc), verbose=verbose, exc=exc)
 
     stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
     log_path = Path(research_params.workspace.home_abs) / "logs" / f"run-{stamp}.log"
@@ -177,6 +219,14 @@ def run(
             # processes with it (tasks/reaper.py).
             with reap_on_death():
                 summary = research(research_params)
+        except Exception as exc:  # noqa: BLE001 - one line for the user, the rest in the log
+            bar.stop()
+            logging.getLogger("quantloop").exception("the research run failed")
+            fail(
+                f"{type(exc).__name__}: {exc}\nfull traceback: {log_path}"
+                + ("" if verbose else " (or run with --verbose)"),
+                code=1, verbose=verbose, exc=exc,
+            )  # fmt: skip
         finally:
             progress.install(None)
     console.print(rich_table(markout_table(summary)))

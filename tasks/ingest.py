@@ -184,7 +184,12 @@ def _read_zip(path: Path) -> list[LobsterDay]:
 
 
 def _read_csv(data: bytes, source: str, types: list[pa.DataType]) -> pa.Table:
-    """Parse a headerless numeric CSV with exactly len(types) columns."""
+    """Parse a headerless numeric CSV with exactly len(types) columns.
+
+    Blank lines at the end of a file (an editor's or a script's trailing newlines) are
+    not rows; a blank line anywhere else is an error naming its row.
+    """
+    data = data.rstrip(b"\r\n\t ") + b"\n" if data.strip() else data
     names = [f"c{i}" for i in range(len(types))]
     try:
         return pacsv.read_csv(

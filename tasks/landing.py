@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from quantloop.tasks.catalog import Catalog, Landed
-from quantloop.tasks.ingest import find_lobster, read_lobster
+from quantloop.tasks.ingest import DataValidationError, LobsterDay, find_lobster, read_lobster
+from quantloop.tasks.progress import note
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.synthetic import SyntheticConfig, generate_day
 
@@ -46,6 +47,33 @@ def land_synthetic(
     return landed
 
 
+def read_lobster_folder(folder: str | Path) -> list[LobsterDay]:
+    """Every LOBSTER day in a folder (or one file), read and validated.
+
+    Every file is read before anything is reported, so one error lists every bad
+    file (each with its row and column), not only the first.
+    """
+    folder = Path(folder)
+    if not folder.exists():
+        raise FileNotFoundError(f"LOBSTER folder {folder} does not exist")
+    files = [folder] if folder.is_file() else find_lobster(folder)
+    if not files:
+        raise FileNotFoundError(f"no LOBSTER zip or message/orderbook CSV pair in {folder}")
+    days, errors = [], []
+    for f in files:
+        try:
+            days += read_lobster(f)
+        except DataValidationError as exc:
+            errors.append(str(exc))
+    if len(errors) == 1:
+        raise DataValidationError(errors[0])
+    if errors:
+        raise DataValidationError(
+            f"{len(errors)} of {len(files)} LOBSTER files are invalid:\n  " + "\n  ".join(errors)
+        )
+    return days
+
+
 def land_lobster(
     catalog: Catalog,
     root: str,
@@ -61,11 +89,7 @@ def land_lobster(
     beyond its levels), so for each (ticker, date) the deepest file is landed and
     the others are reported as superseded.
     """
-    folder = Path(folder)
-    files = [folder] if folder.is_file() else find_lobster(folder)
-    if not files:
-        raise FileNotFoundError(f"no LOBSTER zip or message/orderbook CSV pair in {folder}")
-    days = [day for f in files for day in read_lobster(f)]
+    days = read_lobster_folder(folder)
     deepest: dict[Partition, object] = {}
     for day in days:
         part = Partition(day.product, day.date)
@@ -74,15 +98,12 @@ def land_lobster(
     for day in days:
         chosen = deepest[Partition(day.product, day.date)]
         if chosen is not day:
-            log.warning(
-                "%s (%d levels) superseded by %s (%d levels) for %s/%s",
-                day.source,
-                day.levels,
-                chosen.source,
-                chosen.levels,
-                day.product,
-                day.date,
+            line = (
+                f"{day.source} ({day.levels} levels) superseded by {chosen.source} "
+                f"({chosen.levels} levels) for {day.product}/{day.date}"
             )
+            log.warning(line)
+            note("data", line)
     landed = []
     for i, (part, day) in enumerate(sorted(deepest.items())):
         landed.append(catalog.land(dataset, part, day.table, root=root, source=day.source))

@@ -52,9 +52,17 @@ def product_params(
     for product in products:
         params = base
         if product in overrides:
+            unknown = set(overrides[product]) - set(FeatureParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(
+                    f"product_features[{product!r}]: unknown feature parameter(s) "
+                    f"{sorted(unknown)}; known: {sorted(FeatureParams.__dataclass_fields__)}"
+                )
+            values = {k: tuple(v) if isinstance(v, list) else v
+                      for k, v in overrides[product].items()}  # fmt: skip
             try:
-                params = replace(base, **dict(overrides[product]))
-            except TypeError as exc:
+                params = replace(base, **values)
+            except (TypeError, ValueError) as exc:
                 raise ValueError(f"product_features[{product!r}]: {exc}") from exc
             if feature_set(params) != layout:
                 raise ValueError(

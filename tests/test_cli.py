@@ -79,3 +79,81 @@ def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(tmp_path):
     kept = log.read_text()
     assert "distributed.scheduler" in kept and "Beginning flow run" in kept
     assert json.loads((tmp_path / "summary.json").read_text())["nodes"] == 2
+
+
+# ---------------------------------------------------------------- bad input, refused early
+
+
+def run_cli(*args: str):
+    from typer.testing import CliRunner
+
+    from quantloop.cli import app
+
+    return CliRunner(env={"COLUMNS": "400"}).invoke(app, ["run", *args])
+
+
+def write_json(path: Path, value) -> Path:
+    path.write_text(json.dumps(value) if not isinstance(value, str) else value)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"data": {"products": []}}, "data.products: List should have at least 1 item"),
+        ({"data": {"products": ["A", "A"]}}, "products listed more than once: ['A']"),
+        ({"data": {"products": ["bad name!"]}}, "'bad name!' is not a valid product name"),
+        ({"data": {"start_date": "1800-01-02"}}, "data.start_date: Input should be greater"),
+        ({"train": {"stepz": 3}}, "train.stepz"),
+        ({"product_features": {"SYNA": {"ofi_windw": 3}}},
+         "product_features['SYNA']: unknown feature parameter(s) ['ofi_windw']"),
+        ({"product_features": {"NOPE": {"ofi_window": 3}}},
+         "product_features names products not in this run: ['NOPE']"),
+        ({"data": {"synthetic": {"events_per_day": 50}}},
+         "too little data to train: SYNA, SYNB, SYNC have at most 50 events a day"),
+        ("{\"data\": {", "not valid JSON: Expecting property name enclosed in double quotes at "
+                         "line 1, column 11"),
+        ("[1, 2]", "expected a JSON object of parameters, got list"),
+    ],
+)  # fmt: skip
+def test_bad_parameters_fail_in_one_line_before_anything_starts(tmp_path, params, message):
+    home = tmp_path / "home"
+    result = run_cli("--params", str(write_json(tmp_path / "p.json", params)), "--home", str(home))
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    error_lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and "Traceback" not in result.output
+    assert not home.exists()  # no catalog, no MLflow store, no log: nothing was started
+
+
+def test_a_missing_params_file_is_named(tmp_path):
+    result = run_cli("--params", str(tmp_path / "nope.json"))
+    assert result.exit_code == 2 and f"--params {tmp_path / 'nope.json'}: No such file" in (
+        result.output
+    )
+
+
+def test_a_folder_of_bad_lobster_files_is_refused_naming_each(tmp_path):
+    from tests.test_ingest import BOOK, MSG
+
+    folder = tmp_path / "lobster"
+    folder.mkdir()
+    faults = {
+        "AAA": (MSG[:2] + [MSG[2] + ",7"] + MSG[3:], BOOK),  # a column too many
+        "BBB": (MSG, BOOK[:2] + ["999000,100,1000000,200,9999999999,0,-9999999999,0"]
+                + BOOK[3:]),  # crossed book
+        "CCC": ([MSG[0], "34200.20,1,2,fifty,999900,1"] + MSG[2:], BOOK),  # not a number
+    }  # fmt: skip
+    for ticker, (msg, book) in faults.items():
+        stem = f"{ticker}_2024-01-02_34200000_57600000"
+        (folder / f"{stem}_message_2.csv").write_text("\n".join(msg) + "\n")
+        (folder / f"{stem}_orderbook_2.csv").write_text("\n".join(book) + "\n")
+    home = tmp_path / "home"
+    result = run_cli("--lobster", str(folder), "--home", str(home))
+    assert result.exit_code == 2, result.output
+    assert "3 of 3 LOBSTER files are invalid" in result.output
+    for where in ("AAA_2024-01-02_34200000_57600000_message_2.csv: row 3",
+                  "BBB_2024-01-02_34200000_57600000_orderbook_2.csv: row 3",
+                  "CCC_2024-01-02_34200000_57600000_message_2.csv: row 2, column 4"):  # fmt: skip
+        assert where in result.output, where
+    assert "Traceback" not in result.output and not home.exists()

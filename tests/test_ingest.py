@@ -287,3 +287,12 @@ def test_validate_book_on_tables():
     wrong_flag = ok.set_column(10, "halted", pa.array([False, True, False, False]))
     with pytest.raises(DataValidationError, match="row 2.*halted"):
         validate_book(wrong_flag, "t")
+
+
+def test_trailing_blank_lines_are_not_rows_but_a_blank_line_inside_is_an_error(tmp_path):
+    path = write_day(tmp_path, MSG, BOOK)
+    path.write_text("\n".join(MSG) + "\n\n\r\n \n")  # what an editor or a script leaves
+    [day] = read_lobster(path)
+    assert day.table.num_rows == len(MSG)
+    path.write_text("\n".join(MSG[:2] + [""] + MSG[2:]) + "\n")
+    raises_at(path, f"{STEM}_message_2.csv", "row 3", "an empty line")
