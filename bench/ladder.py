@@ -20,12 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantloop.profiling.config import preset  # noqa: E402
-from quantloop.profiling.ladder import (  # noqa: E402
-    CONTROLS,
-    controls_markdown,
-    run_ladder,
-    table_markdown,
-)
+from quantloop.profiling.evaluation import CONTROLS  # noqa: E402
+from quantloop.profiling.ladder import run_ladder  # noqa: E402
+from quantloop.profiling.report import controls_markdown, table_markdown  # noqa: E402
 
 
 def override(cfg, assignment: str):

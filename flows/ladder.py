@@ -19,7 +19,9 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantloop.profiling.config import preset
-from quantloop.profiling.ladder import RUNGS, controls_markdown, run_ladder, table_markdown
+from quantloop.profiling.ladder import run_ladder
+from quantloop.profiling.report import controls_markdown, table_markdown
+from quantloop.profiling.rungs import RUNGS
 from quantloop.tasks import tracking
 from quantloop.tasks.provenance import git_commit
 from quantloop.tasks.workspace import Workspace

@@ -141,7 +141,7 @@ def ladder(
     """Run the GPU optimization ladder flow and print its table (docs/ladder.md)."""
     from quantloop.flows.ladder import LadderParams
     from quantloop.flows.ladder import ladder as ladder_flow
-    from quantloop.profiling.ladder import table_markdown
+    from quantloop.profiling.report import table_markdown
 
     ws = {k: v for k, v in (("home", home), ("tracking_uri", tracking_uri)) if v is not None}
     try:

@@ -20,16 +20,11 @@ from quantloop.models.orderbook import OrderBookNet
 from quantloop.profiling import kernels, measure
 from quantloop.profiling.config import BF16, LadderConfig, Tolerance, cpu_tiny, preset
 from quantloop.profiling.equivalence import compare, markout_delta, rel_l2, step0_deviation
+from quantloop.profiling.evaluation import check_rung, reference
 from quantloop.profiling.kernels import CHUNK, FusedAdamW
-from quantloop.profiling.ladder import (
-    RUNGS,
-    Switches,
-    check_rung,
-    model_config,
-    reference,
-    train_rung,
-)
+from quantloop.profiling.loop import model_config, train_rung
 from quantloop.profiling.packing import PackedNet
+from quantloop.profiling.rungs import RUNGS, Switches
 from quantloop.profiling.streams import Layout
 from quantloop.profiling.workload import (
     build_workload,
