@@ -29,6 +29,7 @@ from quantloop.profiling.evaluation import (
     run_controls,
 )
 from quantloop.profiling.loop import model_config, train_rung
+from quantloop.profiling.results import RungResult
 from quantloop.profiling.rungs import RUNGS, Switches, skip_reason
 from quantloop.profiling.workload import Workload, build_workload
 from quantloop.tasks.training import resolve_device
@@ -78,16 +79,16 @@ def run_ladder(
     available = {r.switch for r in RUNGS if skip_reason(r, device) is None}
     base: dict | None = None
     control_names, controls = controls, {}
-    rows = []
+    rows: list[RungResult] = []
     wanted = set(rungs or [r.number for r in RUNGS]) | {1}
     for rung in RUNGS:
         if rung.number not in wanted:
             continue
-        row: dict = {"number": rung.number, "name": rung.name, "predicted": rung.predicted}
         reason = skip_reason(rung, device)
         if reason:
             log(f"rung {rung.number} {rung.name}: {reason}")
-            rows.append({**row, "skipped": reason, "equivalent": None})
+            rows.append(RungResult(number=rung.number, name=rung.name,
+                                   predicted=rung.predicted, skipped=reason))  # fmt: skip
             continue
         sw = Switches.upto(rung.number, available)
         log(f"rung {rung.number} {rung.name}: {asdict(sw)}")
@@ -120,10 +121,27 @@ def run_ladder(
             ff=cfg.ff_mult, n_params=n_params, act_bytes=2, batch_bytes=0,
         )  # fmt: skip
         c = run.counts
-        row.update(
-            skipped=None,
+        roofline = {}
+        if ceilings:
+            t_flops = useful_flops / (ceilings["bf16_matmul_tflops"] * 1e12)
+            t_bytes = min_bytes / (ceilings["copy_gbps"] * 1e9)
+            roofline = dict(
+                floor_ms=max(t_flops, t_bytes) * 1e3,
+                roofline_fraction=max(t_flops, t_bytes) / step_s,
+                bound="bf16 matmul" if t_flops >= t_bytes else "memory bandwidth",
+            )
+        samples_per_s = cfg.batch_size / step_s
+        limits = (
+            ("loss_max_rel_dev", tol.loss_rel),
+            ("pred_rel_l2", tol.pred_rel_l2),
+            ("markout_delta_bps", tol.markout_bps),
+        )
+        row = RungResult(
+            number=rung.number,
+            name=rung.name,
+            predicted=rung.predicted,
             switches=asdict(sw),
-            samples_per_s=cfg.batch_size / step_s,
+            samples_per_s=samples_per_s,
             step_ms=step_s * 1e3,
             host_step_ms=run.timed_wall_s / cfg.timed_steps * 1e3,
             warmup_s=run.warmup_s,
@@ -144,26 +162,11 @@ def run_ladder(
             pred_rel_l2=eq.pred_rel_l2,
             markout_delta_bps=eq.markout_delta_bps,
             precision=precision,
-            tolerance=asdict(eq.tolerance),
+            tolerance=eq.tolerance,
             control_floor=floor,
-            tolerance_below_floor=[
-                k
-                for k, t in (
-                    ("loss_max_rel_dev", tol.loss_rel),
-                    ("pred_rel_l2", tol.pred_rel_l2),
-                    ("markout_delta_bps", tol.markout_bps),
-                )
-                if floor[k] > t
-            ],  # fmt: skip
-            # limits that another seed (a different model) would pass: such a check has no power
+            tolerance_below_floor=[k for k, t in limits if floor[k] > t],
             tolerance_not_below_other_seed=[
-                k
-                for k, t in (
-                    ("loss_max_rel_dev", tol.loss_rel),
-                    ("pred_rel_l2", tol.pred_rel_l2),
-                    ("markout_delta_bps", tol.markout_bps),
-                )
-                if "other_seed" in controls and controls["other_seed"][k] <= t
+                k for k, t in limits if "other_seed" in controls and controls["other_seed"][k] <= t
             ],  # fmt: skip
             equivalent=eq.equivalent,
             failures=list(eq.failures),
@@ -174,27 +177,17 @@ def run_ladder(
             markout_bps=summary["mean_bps"],
             markout_se_bps=summary["se_bps"],
             trace=os.path.basename(run.trace) if run.trace else None,
+            **roofline,
+            speedup_vs_baseline=samples_per_s / (rows[0].samples_per_s if rows else samples_per_s),
         )
-        if ceilings:
-            t_flops = useful_flops / (ceilings["bf16_matmul_tflops"] * 1e12)
-            t_bytes = min_bytes / (ceilings["copy_gbps"] * 1e9)
-            row.update(
-                floor_ms=max(t_flops, t_bytes) * 1e3,
-                roofline_fraction=max(t_flops, t_bytes) / step_s,
-                bound="bf16 matmul" if t_flops >= t_bytes else "memory bandwidth",
-            )
-        else:
-            row.update(floor_ms=None, roofline_fraction=None, bound=None)
-        base_sps = rows[0]["samples_per_s"] if rows else row["samples_per_s"]
-        row["speedup_vs_baseline"] = row["samples_per_s"] / base_sps
         log(
-            f"  {row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.2f} ms/step "
-            f"({row['speedup_vs_baseline']:.2f}x), warm-up {row['warmup_s']:.1f} s, "
-            f"launches {row['kernels_per_step']}, syncs {row['syncs_per_step']}; "
+            f"  {row.samples_per_s:,.0f} samples/s, {row.step_ms:.2f} ms/step "
+            f"({row.speedup_vs_baseline:.2f}x), warm-up {row.warmup_s:.1f} s, "
+            f"launches {row.kernels_per_step}, syncs {row.syncs_per_step}; "
             f"step0 {eq.step0_rel:.2e}, loss dev {eq.loss_max_rel_dev:.2e}, "
             f"pred L2 {eq.pred_rel_l2:.2e}, "
-            f"mark-out {eq.markout_delta_bps:.3f} bp; held-out loss {row['heldout_loss']:.3f} "
-            f"corr {np.round(row['heldout_corr'], 3).tolist()} -> "
+            f"mark-out {eq.markout_delta_bps:.3f} bp; held-out loss {row.heldout_loss:.3f} "
+            f"corr {np.round(row.heldout_corr, 3).tolist()} -> "
             f"{'equivalent' if eq.equivalent else 'NOT equivalent: ' + '; '.join(eq.failures)}"
         )
         rows.append(row)
@@ -223,5 +216,5 @@ def run_ladder(
         },
         "baseline_markout_se_bps": base["markout"]["se_bps"] if base else None,
         "controls": controls,
-        "rungs": rows,
+        "rungs": [row.to_dict() for row in rows],
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -24,6 +25,7 @@ from quantloop.profiling.evaluation import check_rung, reference
 from quantloop.profiling.kernels import CHUNK, FusedAdamW
 from quantloop.profiling.loop import model_config, train_rung
 from quantloop.profiling.packing import PackedNet
+from quantloop.profiling.results import RungResult
 from quantloop.profiling.rungs import RUNGS, Switches
 from quantloop.profiling.streams import Layout
 from quantloop.profiling.workload import (
@@ -33,6 +35,8 @@ from quantloop.profiling.workload import (
     packed_batch,
     padded_batch,
 )
+
+H200_RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "ladder-h200.json"
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +216,22 @@ def test_switches_are_cumulative_and_skip_what_the_cpu_cannot_run():
     assert Switches.upto(1, cpu) == Switches()
 
 
+def test_rung_rows_of_the_h200_run_load_as_records_and_dump_unchanged():
+    rows = json.loads(H200_RESULT.read_text())["rungs"]
+    for row in rows:
+        dumped = RungResult.from_dict(row).to_dict()
+        assert dumped == row and list(dumped) == list(row)  # same keys, same order
+    skipped = {"number": 7, "name": "cuda_graph", "predicted": "1.3x", "equivalent": None,
+               "skipped": "skipped: no CUDA device (CUDA graphs need a CUDA GPU)"}  # fmt: skip
+    assert RungResult.from_dict(skipped).to_dict() == skipped
+    with pytest.raises(ValueError, match="heldout_loss is missing"):
+        RungResult.from_dict({k: v for k, v in rows[0].items() if k != "heldout_loss"})
+    with pytest.raises(ValueError, match="step_ms must be None on a skipped rung"):
+        RungResult.from_dict({**skipped, "step_ms": 1.0})
+    with pytest.raises(ValueError, match="unknown rung result fields: \\['speed'\\]"):
+        RungResult.from_dict({**rows[0], "speed": 1.0})
+
+
 @pytest.mark.slow
 def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     from quantloop.flows.ladder import LadderParams, ladder
@@ -242,6 +262,8 @@ def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     assert set(result["controls"]) == {"fp32", "bf16", "other_seed"}
     assert result["controls"]["fp32"]["fails_fp32"] == []  # rounding passes ...
     assert result["controls"]["other_seed"]["fails_bf16"]  # ... another model does not
+    written = json.loads((tmp_path / "out" / "ladder.json").read_text())["rungs"]
+    assert [RungResult.from_dict(r).to_dict() for r in written] == written
     report = (tmp_path / "out" / "ladder.md").read_text()
     assert "| 8. no_padding |" in report and "skipped: no CUDA device" in report
 
