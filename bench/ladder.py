@@ -3,8 +3,9 @@
     python bench/ladder.py --out $OUT [--preset h200] [--commit SHA] [--quick]
                            [--rungs 1,2] [--controls fp32] [--set lr=3e-4 --set signal=1]
 
-Writes to --out: ladder-h200.json (every figure), ladder-h200.md (the table),
-ladder-h200.traces.tar.gz (one Chrome/Perfetto trace per rung) and prints the table last.
+Writes to --out: ladder-h200.json (every figure), ladder-h200.md (the report: the rung
+and controls tables), ladder-h200.traces.tar.gz (one Chrome/Perfetto trace per rung) and
+prints the report last.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quantloop.profiling.config import preset  # noqa: E402
 from quantloop.profiling.evaluation import CONTROLS  # noqa: E402
 from quantloop.profiling.ladder import run_ladder  # noqa: E402
-from quantloop.profiling.report import controls_markdown, table_markdown  # noqa: E402
+from quantloop.profiling.report import report_markdown  # noqa: E402
 
 
 def override(cfg, assignment: str):
@@ -67,19 +68,14 @@ def main() -> None:
     )
     result["commit"] = args.commit
     result["wall_s"] = time.perf_counter() - t0
-    md = table_markdown(result)
+    report = report_markdown(result)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2, default=str))
-    (out / f"{args.name}.md").write_text(
-        f"# Ladder on {result['gpu']} (torch {result['torch']}, batch {result['batch_size']}, "
-        f"commit {args.commit or 'unknown'}, {result['date']})\n\n{md}\n\n"
-        f"Controls (the baseline re-trained; deviation from the baseline):\n\n"
-        f"{controls_markdown(result)}\n"
-    )
+    (out / f"{args.name}.md").write_text(report)
     with tarfile.open(out / f"{args.name}.traces.tar.gz", "w:gz") as tar:
         for row in result["rungs"]:
             if row.get("trace"):
                 tar.add(work / row["trace"], arcname=row["trace"])
-    print(md)
+    print(report)
     print(f"wall {result['wall_s']:.0f} s; results in {out}")
 
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from quantloop.profiling.config import preset
 from quantloop.profiling.ladder import run_ladder
-from quantloop.profiling.report import controls_markdown, table_markdown
+from quantloop.profiling.report import report_markdown
 from quantloop.profiling.rungs import RUNGS
 from quantloop.tasks import tracking
 from quantloop.tasks.provenance import git_commit
@@ -80,28 +80,6 @@ def equivalence_figure(row: dict, base_curve: list[float], log_every: int):
     ax.legend()
     fig.tight_layout()
     return fig
-
-
-def report_markdown(result: dict) -> str:
-    lines = [
-        f"# GPU optimization ladder on {result['gpu']}",
-        "",
-        f"torch {result['torch']}, batch {result['batch_size']}, commit "
-        f"`{result.get('commit') or 'unknown'}`, {result['date']}.",
-        "",
-        table_markdown(result),
-        "",
-    ]
-    if result.get("ceilings"):
-        c = result["ceilings"]
-        lines.append(
-            f"Measured ceilings: bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s, "
-            f"device copy {c['copy_gbps']:.0f} GB/s."
-        )
-    if result.get("controls"):
-        lines += ["", "Controls (baseline re-trained; deviation from the baseline):", ""]
-        lines.append(controls_markdown(result))
-    return "\n".join(lines) + "\n"
 
 
 @flow(name="ladder")

@@ -25,6 +25,7 @@ from quantloop.profiling.evaluation import check_rung, reference
 from quantloop.profiling.kernels import CHUNK, FusedAdamW
 from quantloop.profiling.loop import model_config, train_rung
 from quantloop.profiling.packing import PackedNet
+from quantloop.profiling.report import report_markdown
 from quantloop.profiling.results import RungResult
 from quantloop.profiling.rungs import RUNGS, Switches
 from quantloop.profiling.streams import Layout
@@ -230,6 +231,25 @@ def test_rung_rows_of_the_h200_run_load_as_records_and_dump_unchanged():
         RungResult.from_dict({**skipped, "step_ms": 1.0})
     with pytest.raises(ValueError, match="unknown rung result fields: \\['speed'\\]"):
         RungResult.from_dict({**rows[0], "speed": 1.0})
+
+
+def markdown_tables(text: str) -> list[str]:
+    return [b for b in text.split("\n\n") if b.startswith("| ")]
+
+
+def test_the_report_renders_the_h200_run_as_it_was_published():
+    """bench/results/ladder-h200.md holds the tables that the code before the one-report
+    change wrote for ladder-h200.json (the same as README's): the rung table and the
+    controls table must come out character for character."""
+    result = json.loads(H200_RESULT.read_text())
+    report = report_markdown(result)
+    published = (H200_RESULT.parent / "ladder-h200.md").read_text()
+    rung_table, controls_table = markdown_tables(report)
+    assert [rung_table, controls_table] == markdown_tables(published)
+    assert rung_table.count("\n") == 2 + 8 - 1 and "| 8. no_padding | 136,890 |" in rung_table
+    assert report.startswith("# GPU optimization ladder on NVIDIA H200\n\ntorch 2.11.0+cu130, ")
+    assert "commit `6640468+uncommitted-profiling`" in report
+    assert "Measured ceilings: bf16 matmul 788 TFLOP/s, device copy 4244 GB/s." in report
 
 
 @pytest.mark.slow
