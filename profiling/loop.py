@@ -56,7 +56,6 @@ class RungRun:
     """What one training run leaves: its series, held-out predictions, clocks and counts."""
 
     loss: np.ndarray  # [steps]
-    accuracy: np.ndarray  # [steps, L]
     grad_norm: dict[str, np.ndarray]
     pred_test: np.ndarray  # [test rows, L] bps
     pred_threshold: np.ndarray  # [threshold rows, L] bps
@@ -123,7 +122,7 @@ def train_rung(
         if sw.fused_kernel:
             opt.log_into(logger.ring, logger.slot, logger.norm_col)
     else:
-        logger = HostLogger(model, n_out)
+        logger = HostLogger(model)
     net = apply_packing(model) if sw.packing else model
     if sw.compile:
         net = apply_compile(net, cfg=cfg)
@@ -201,11 +200,11 @@ def train_rung(
     if prof is not None:
         prof.export_chrome_trace(trace)
         counts = measure.count_trace(trace, P)
-    loss, acc, norms = logger.series()
+    loss, _, norms = logger.series()  # the accuracies are recorded, not compared
     pred_test = predict(model, work, work.test, cfg.predict_batch, device)
     pred_thr = predict(model, work, work.threshold, cfg.predict_batch, device)
     return RungRun(
-        loss=loss, accuracy=acc, grad_norm=norms, pred_test=pred_test, pred_threshold=pred_thr,
+        loss=loss, grad_norm=norms, pred_test=pred_test, pred_threshold=pred_thr,
         warmup_s=warmup_s, timed_s=timed, timed_wall_s=wall, gpu_util=sampler.mean,
         peak_mem_gb=peak, counts=counts, trace=trace, batch_bytes=layout.nbytes,
     )  # fmt: skip
