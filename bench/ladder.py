@@ -18,12 +18,18 @@ import tarfile
 import time
 from pathlib import Path
 
+# The GPU machine has torch, Triton and pyarrow but no quantloop install: quantloop comes
+# from this checkout (bench/checkout.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkout import use_checkout  # noqa: E402
+
+use_checkout()
 
 from quantloop.profiling.config import preset  # noqa: E402
 from quantloop.profiling.evaluation import CONTROLS  # noqa: E402
 from quantloop.profiling.ladder import run_ladder  # noqa: E402
 from quantloop.profiling.report import report_markdown  # noqa: E402
+from quantloop.tasks.provenance import git_commit  # noqa: E402
 
 
 def override(cfg, assignment: str):
@@ -45,7 +51,9 @@ def main() -> None:
     ap.add_argument("--preset", default="auto")
     ap.add_argument("--name", default="ladder-h200", help="file stem of the results")
     ap.add_argument("--work", default="/tmp/ladder-work", help="store and raw traces")
-    ap.add_argument("--commit", default="", help="the commit the tree was taken from")
+    ap.add_argument(
+        "--commit", default="", help="the commit the tree was taken from (default: git's, if any)"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke test: few timed steps")
     ap.add_argument("--rungs", default="", help="comma-separated rung numbers (default: all)")
     ap.add_argument("--controls", default=",".join(CONTROLS), help="controls to run")
@@ -66,7 +74,7 @@ def main() -> None:
     result = run_ladder(
         cfg, str(work), rungs=rungs, controls=controls, log=lambda m: print(m, flush=True)
     )
-    result["commit"] = args.commit
+    result["commit"] = args.commit or git_commit(short=True)  # no git on the GPU machine
     result["wall_s"] = time.perf_counter() - t0
     report = report_markdown(result)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2, default=str))

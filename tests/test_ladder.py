@@ -10,6 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import mlflow
@@ -36,8 +40,10 @@ from quantloop.profiling.workload import (
     packed_batch,
     padded_batch,
 )
+from quantloop.tasks.provenance import git_commit
 
-H200_RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "ladder-h200.json"
+ROOT = Path(__file__).resolve().parents[1]
+H200_RESULT = ROOT / "bench" / "results" / "ladder-h200.json"
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +256,30 @@ def test_the_report_renders_the_h200_run_as_it_was_published():
     assert report.startswith("# GPU optimization ladder on NVIDIA H200\n\ntorch 2.11.0+cu130, ")
     assert "commit `6640468+uncommitted-profiling`" in report
     assert "Measured ceilings: bf16 matmul 788 TFLOP/s, device copy 4244 GB/s." in report
+
+
+@pytest.mark.slow
+def test_bench_script_runs_from_a_checkout_without_quantloop_installed(tmp_path):
+    """bench/ladder.py as on the GPU machine: torch and the rest importable, quantloop not
+    installed. `-S` skips site, so the venv's .pth files (the editable install's import
+    finder) do not run, while PYTHONPATH still names the venv's packages."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = sysconfig.get_paths()["purelib"]
+
+    def python(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-S", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)  # fmt: skip
+
+    assert "No module named 'quantloop'" in python("-c", "import quantloop.profiling").stderr
+    out = tmp_path / "out"
+    run = python(str(ROOT / "bench" / "ladder.py"), "--out", str(out), "--work",
+                 str(tmp_path / "work"), "--preset", "cpu_tiny", "--rungs", "1",
+                 "--controls", "fp32")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "ladder-h200.json").read_text())
+    assert [(r["name"], r["equivalent"]) for r in result["rungs"]] == [("baseline", True)]
+    assert result["commit"] == git_commit(short=True)  # the checkout's, without --commit
+    assert (out / "ladder-h200.md").read_text() == report_markdown(result)
 
 
 @pytest.mark.slow
