@@ -1,4 +1,5 @@
-"""The optimization ladder on a CPU: its logic, its equivalence checks, its flow.
+"""The optimization ladder on a CPU: its logic, its equivalence checks, its report, its
+flow and the device script.
 
 CUDA-only rungs (the Triton kernel, streams, CUDA graphs) are skipped here with their
 reason; their torch reference paths are tested directly. The H200 figures come from
@@ -228,8 +229,9 @@ def test_rung_rows_of_the_h200_run_load_as_records_and_dump_unchanged():
     for row in rows:
         dumped = RungResult.from_dict(row).to_dict()
         assert dumped == row and list(dumped) == list(row)  # same keys, same order
-    skipped = {"number": 7, "name": "cuda_graph", "predicted": "1.3x", "equivalent": None,
-               "skipped": "skipped: no CUDA device (CUDA graphs need a CUDA GPU)"}  # fmt: skip
+    skipped = {"number": 7, "name": "cuda_graph", "predicted": "1.3x",
+               "skipped": "skipped: no CUDA device (CUDA graphs need a CUDA GPU)",
+               "equivalent": None}  # fmt: skip
     assert RungResult.from_dict(skipped).to_dict() == skipped
     with pytest.raises(ValueError, match="heldout_loss is missing"):
         RungResult.from_dict({k: v for k, v in rows[0].items() if k != "heldout_loss"})
