@@ -3,8 +3,9 @@
     python bench/ladder.py --out $OUT [--preset h200] [--commit SHA] [--quick]
                            [--rungs 1,2] [--controls fp32] [--set lr=3e-4 --set signal=1]
 
-Writes to --out: ladder-h200.json (every figure), ladder-h200.md (the table),
-ladder-h200.traces.tar.gz (one Chrome/Perfetto trace per rung) and prints the table last.
+Writes to --out: ladder-h200.json (every figure), ladder-h200.md (the report: the rung
+and controls tables), ladder-h200.traces.tar.gz (one Chrome/Perfetto trace per rung) and
+prints the report last.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ import tarfile
 import time
 from pathlib import Path
 
+# The GPU machine has torch, Triton and pyarrow but no quantloop install: quantloop comes
+# from this checkout (bench/checkout.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkout import use_checkout  # noqa: E402
+
+use_checkout()
 
 from quantloop.profiling.config import preset  # noqa: E402
-from quantloop.profiling.ladder import (  # noqa: E402
-    CONTROLS,
-    controls_markdown,
-    run_ladder,
-    table_markdown,
-)
+from quantloop.profiling.evaluation import CONTROLS  # noqa: E402
+from quantloop.profiling.ladder import run_ladder  # noqa: E402
+from quantloop.profiling.report import report_markdown  # noqa: E402
+from quantloop.tasks.provenance import git_commit  # noqa: E402
 
 
 def override(cfg, assignment: str):
@@ -47,7 +51,9 @@ def main() -> None:
     ap.add_argument("--preset", default="auto")
     ap.add_argument("--name", default="ladder-h200", help="file stem of the results")
     ap.add_argument("--work", default="/tmp/ladder-work", help="store and raw traces")
-    ap.add_argument("--commit", default="", help="the commit the tree was taken from")
+    ap.add_argument(
+        "--commit", default="", help="the commit the tree was taken from (default: git's, if any)"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke test: few timed steps")
     ap.add_argument("--rungs", default="", help="comma-separated rung numbers (default: all)")
     ap.add_argument("--controls", default=",".join(CONTROLS), help="controls to run")
@@ -68,21 +74,16 @@ def main() -> None:
     result = run_ladder(
         cfg, str(work), rungs=rungs, controls=controls, log=lambda m: print(m, flush=True)
     )
-    result["commit"] = args.commit
+    result["commit"] = args.commit or git_commit(short=True)  # no git on the GPU machine
     result["wall_s"] = time.perf_counter() - t0
-    md = table_markdown(result)
+    report = report_markdown(result)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2, default=str))
-    (out / f"{args.name}.md").write_text(
-        f"# Ladder on {result['gpu']} (torch {result['torch']}, batch {result['batch_size']}, "
-        f"commit {args.commit or 'unknown'}, {result['date']})\n\n{md}\n\n"
-        f"Controls (the baseline re-trained; deviation from the baseline):\n\n"
-        f"{controls_markdown(result)}\n"
-    )
+    (out / f"{args.name}.md").write_text(report)
     with tarfile.open(out / f"{args.name}.traces.tar.gz", "w:gz") as tar:
         for row in result["rungs"]:
             if row.get("trace"):
                 tar.add(work / row["trace"], arcname=row["trace"])
-    print(md)
+    print(report)
     print(f"wall {result['wall_s']:.0f} s; results in {out}")
 
 

@@ -19,8 +19,11 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantloop.profiling.config import preset
-from quantloop.profiling.ladder import RUNGS, controls_markdown, run_ladder, table_markdown
-from quantloop.tasks import tracking
+from quantloop.profiling.ladder import run_ladder
+from quantloop.profiling.report import report_markdown
+from quantloop.profiling.results import RungResult
+from quantloop.profiling.rungs import RUNGS
+from quantloop.tasks import plots, tracking
 from quantloop.tasks.provenance import git_commit
 from quantloop.tasks.workspace import Workspace
 
@@ -44,64 +47,6 @@ class LadderParams(BaseModel):
     )
 
 
-def throughput_figure(result: dict):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rungs"] if not r.get("skipped")]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"{r['number']}. {r['name']}" for r in rows]
-    colors = ["tab:blue" if r["equivalent"] else "tab:red" for r in rows]
-    ax.bar(labels, [r["samples_per_s"] for r in rows], color=colors)
-    ax.set_ylabel("samples/s")
-    ax.set_title(f"ladder on {result['gpu']} (red: not equivalent)")
-    ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    return fig
-
-
-def equivalence_figure(row: dict, base_curve: list[float], log_every: int):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [(i + 1) * log_every for i in range(len(base_curve))]
-    ax.plot(steps, base_curve, label="baseline")
-    ax.plot(steps, row["loss_curve"], "--", label=row["name"])
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (interval mean)")
-    ax.set_title(f"rung {row['number']}: loss dev {row['loss_max_rel_dev']:.2e}")
-    ax.legend()
-    fig.tight_layout()
-    return fig
-
-
-def report_markdown(result: dict) -> str:
-    lines = [
-        f"# GPU optimization ladder on {result['gpu']}",
-        "",
-        f"torch {result['torch']}, batch {result['batch_size']}, commit "
-        f"`{result.get('commit') or 'unknown'}`, {result['date']}.",
-        "",
-        table_markdown(result),
-        "",
-    ]
-    if result.get("ceilings"):
-        c = result["ceilings"]
-        lines.append(
-            f"Measured ceilings: bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s, "
-            f"device copy {c['copy_gbps']:.0f} GB/s."
-        )
-    if result.get("controls"):
-        lines += ["", "Controls (baseline re-trained; deviation from the baseline):", ""]
-        lines.append(controls_markdown(result))
-    return "\n".join(lines) + "\n"
-
-
 @flow(name="ladder")
 def ladder(params: LadderParams = LadderParams()) -> dict:
     """Run the rungs cumulatively; returns the results (also in MLflow and as a report)."""
@@ -117,54 +62,62 @@ def ladder(params: LadderParams = LadderParams()) -> dict:
         json.dump(result, f, indent=2, default=str)
 
     client, experiment = tracking.client_for(params.workspace.resolve_tracking())
-    base_curve = result["rungs"][0]["loss_curve"]
+    rows = [RungResult.from_dict(r) for r in result["rungs"]]
+    base_curve = rows[0].loss_curve
     with tracking.run(client, experiment, "ladder", tags={"gpu": result["gpu"]}) as parent:
         parent.params({f"ladder.{k}": v for k, v in result["config"].items()})
         parent.params({"gpu": result["gpu"], "torch": result["torch"], "preset": params.preset})
         parent.metrics({f"ceiling.{k}": v for k, v in result["ceilings"].items()})
         parent.flush()
-        for row in result["rungs"]:
+        for row, record in zip(rows, result["rungs"], strict=True):
             with tracking.run(
-                client, experiment, f"rung{row['number']}-{row['name']}", parent=parent.run_id
+                client, experiment, f"rung{row.number}-{row.name}", parent=parent.run_id
             ) as child:
-                child.params({"rung": row["number"], "name": row["name"],
-                              "predicted": row["predicted"]})  # fmt: skip
-                if row.get("skipped"):
-                    child.tags({"skipped": row["skipped"]})
+                child.params({"rung": row.number, "name": row.name, "predicted": row.predicted})
+                if row.skipped:
+                    child.tags({"skipped": row.skipped})
                     continue
-                child.params({f"switch.{k}": v for k, v in row["switches"].items()})
-                child.params({f"tolerance.{k}": v for k, v in row["tolerance"].items()})
-                child.tags(
-                    {"equivalent": row["equivalent"], "failures": "; ".join(row["failures"])}
-                )
+                child.params({f"switch.{k}": v for k, v in row.switches.items()})
+                child.params({f"tolerance.{k}": v for k, v in record["tolerance"].items()})
+                child.tags({"equivalent": row.equivalent, "failures": "; ".join(row.failures)})
                 child.metrics({
-                    k: float(v) for k, v in row.items()
+                    k: float(v) for k, v in record.items()
                     if isinstance(v, int | float) and not isinstance(v, bool) and k != "number"
                 })  # fmt: skip
-                child.metrics({"equivalent": float(row["equivalent"])})
-                steps = [(i + 1) * cfg.log_every for i in range(len(row["loss_curve"]))]
-                child.series("loss", row["loss_curve"], steps)
+                child.metrics({"equivalent": float(row.equivalent)})
+                steps = [(i + 1) * cfg.log_every for i in range(len(row.loss_curve))]
+                child.series("loss", row.loss_curve, steps)
                 child.flush()
-                child.figure(equivalence_figure(row, base_curve, cfg.log_every), "equivalence.png")
+                equivalence = plots.loss_vs_baseline(
+                    base_curve, row.loss_curve, cfg.log_every, label=row.name,
+                    title=f"rung {row.number}: loss dev {row.loss_max_rel_dev:.2e}",
+                )  # fmt: skip
+                child.figure(equivalence, "equivalence.png")
                 with tempfile.TemporaryDirectory() as tmp:
                     path = os.path.join(tmp, "equivalence.json")
                     with open(path, "w") as f:
-                        json.dump({k: row[k] for k in ("step0_rel", "loss_max_rel_dev",
+                        json.dump({k: record[k] for k in ("step0_rel", "loss_max_rel_dev",
                                    "pred_rel_l2", "markout_delta_bps", "tolerance",
                                    "equivalent", "failures")}, f, indent=2)  # fmt: skip
                     child.artifact(path)
-                if row.get("trace"):
-                    child.artifact(os.path.join(out, row["trace"]), "trace")
-        parent.figure(throughput_figure(result), "throughput.png")
+                if row.trace:
+                    child.artifact(os.path.join(out, row.trace), "trace")
+        ran = [r for r in rows if not r.skipped]
+        throughput = plots.throughput_bars(
+            [f"{r.number}. {r.name}" for r in ran],
+            [r.samples_per_s for r in ran],
+            [bool(r.equivalent) for r in ran],
+            title=f"ladder on {result['gpu']} (red: not equivalent)",
+        )
+        parent.figure(throughput, "throughput.png")
         parent.artifact(os.path.join(out, REPORT_NAME))
         result["mlflow_run_id"] = parent.run_id
     create_markdown_artifact(
         markdown=report, key="ladder-report", description="Throughput and equivalence per rung"
     )
-    ran = [r for r in result["rungs"] if not r.get("skipped")]
     logger.info(
         "ladder done: %d of %d rungs ran, top %.0f samples/s (%.2fx); all equivalent: %s",
-        len(ran), len(RUNGS), ran[-1]["samples_per_s"], ran[-1]["speedup_vs_baseline"],
-        all(r["equivalent"] for r in ran),
+        len(ran), len(RUNGS), ran[-1].samples_per_s, ran[-1].speedup_vs_baseline,
+        all(r.equivalent for r in ran),
     )  # fmt: skip
     return result

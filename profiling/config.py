@@ -1,7 +1,7 @@
 """The ladder's one config: workload, model, schedule, equivalence tolerances; named presets.
 
 Every rung of one ladder run shares this config: same seed, data, model, batch size and
-hyperparameters. Only the switches a rung turns on differ (profiling/ladder.py).
+hyperparameters. Only the switches a rung turns on differ (profiling/rungs.py).
 """
 
 from __future__ import annotations

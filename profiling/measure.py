@@ -79,7 +79,6 @@ class UtilSampler:
             pynvml.nvmlInit()
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             self._read = lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            self.source = "nvml"
         except Exception:  # no pynvml or no NVML library: fall back to the CLI
             if shutil.which("nvidia-smi"):
                 cmd = ["nvidia-smi", f"--id={index}", "--query-gpu=utilization.gpu",
@@ -88,7 +87,6 @@ class UtilSampler:
                     subprocess.run(cmd, capture_output=True, text=True).stdout
                 )
                 self.period = max(period, 0.05)
-                self.source = "nvidia-smi"
 
     def __enter__(self) -> UtilSampler:
         if self._read is not None:

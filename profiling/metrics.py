@@ -24,7 +24,7 @@ def direction_accuracy(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 class HostLogger:
-    def __init__(self, model: nn.Module, n_outputs: int) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.named = list(model.named_parameters())
         self.loss: list[float] = []
         self.accuracy: list[list[float]] = []
@@ -70,7 +70,6 @@ class DeviceLogger:
     ) -> None:
         self.named = list(model.named_parameters())
         self.params = [p for _, p in self.named]
-        self.n_outputs = n_outputs
         self.interval = interval
         self.chunk_owner = chunk_owner
         self.norm_col = 1 + n_outputs

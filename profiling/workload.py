@@ -117,7 +117,6 @@ class Workload:
     test_table: pa.Table  # the held-out day's feature table (for the replay simulation)
     threshold: Windows  # a subsample of training events: the trade threshold's quantile
     normalizer: Normalizer
-    inputs: list[str]
     label_names: list[str]
     test_labels: np.ndarray  # [test rows, L] the held-out day's labels, own units (NaN: none)
     max_len: int
@@ -199,7 +198,6 @@ def build_workload(cfg: LadderConfig, root: str) -> Workload:
         test_table=test_table,
         threshold=Windows(start=np.concatenate(thr_s), end=np.concatenate(thr_e)),
         normalizer=normalizer,
-        inputs=list(inputs),
         label_names=names,
         test_labels=label_matrix(test_table, cfg),
         max_len=cfg.max_len,

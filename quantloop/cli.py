@@ -259,10 +259,10 @@ def ladder(
     home: HomeOption = None,
     tracking_uri: TrackingUriOption = None,
 ) -> None:
-    """Run the GPU optimization ladder flow and print its table (docs/ladder.md)."""
+    """Run the GPU optimization ladder flow and print its report (docs/ladder.md)."""
     from quantloop.flows.ladder import LadderParams
     from quantloop.flows.ladder import ladder as ladder_flow
-    from quantloop.profiling.ladder import table_markdown
+    from quantloop.profiling.report import report_markdown
 
     ws = {k: v for k, v in (("home", home), ("tracking_uri", tracking_uri)) if v is not None}
     try:
@@ -275,7 +275,7 @@ def ladder(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     result = ladder_flow(params)
-    print(table_markdown(result))
+    print(report_markdown(result), end="")
     console.print(
         f"MLflow run {result['mlflow_run_id']}; report in {params.out_dir or 'home/ladder'}"
     )

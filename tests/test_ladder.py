@@ -1,4 +1,5 @@
-"""The optimization ladder on a CPU: its logic, its equivalence checks, its flow.
+"""The optimization ladder on a CPU: its logic, its equivalence checks, its report, its
+flow and the device script.
 
 CUDA-only rungs (the Triton kernel, streams, CUDA graphs) are skipped here with their
 reason; their torch reference paths are tested directly. The H200 figures come from
@@ -10,6 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -20,16 +26,13 @@ from quantloop.models.orderbook import OrderBookNet
 from quantloop.profiling import kernels, measure
 from quantloop.profiling.config import BF16, LadderConfig, Tolerance, cpu_tiny, preset
 from quantloop.profiling.equivalence import compare, markout_delta, rel_l2, step0_deviation
+from quantloop.profiling.evaluation import check_rung, reference
 from quantloop.profiling.kernels import CHUNK, FusedAdamW
-from quantloop.profiling.ladder import (
-    RUNGS,
-    Switches,
-    check_rung,
-    model_config,
-    reference,
-    train_rung,
-)
+from quantloop.profiling.loop import model_config, train_rung
 from quantloop.profiling.packing import PackedNet
+from quantloop.profiling.report import report_markdown
+from quantloop.profiling.results import RungResult
+from quantloop.profiling.rungs import RUNGS, Switches
 from quantloop.profiling.streams import Layout
 from quantloop.profiling.workload import (
     build_workload,
@@ -38,6 +41,10 @@ from quantloop.profiling.workload import (
     packed_batch,
     padded_batch,
 )
+from quantloop.tasks.provenance import git_commit
+
+ROOT = Path(__file__).resolve().parents[1]
+H200_RESULT = ROOT / "bench" / "results" / "ladder-h200.json"
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +224,66 @@ def test_switches_are_cumulative_and_skip_what_the_cpu_cannot_run():
     assert Switches.upto(1, cpu) == Switches()
 
 
+def test_rung_rows_of_the_h200_run_load_as_records_and_dump_unchanged():
+    rows = json.loads(H200_RESULT.read_text())["rungs"]
+    for row in rows:
+        dumped = RungResult.from_dict(row).to_dict()
+        assert dumped == row and list(dumped) == list(row)  # same keys, same order
+    skipped = {"number": 7, "name": "cuda_graph", "predicted": "1.3x",
+               "skipped": "skipped: no CUDA device (CUDA graphs need a CUDA GPU)",
+               "equivalent": None}  # fmt: skip
+    assert RungResult.from_dict(skipped).to_dict() == skipped
+    with pytest.raises(ValueError, match="heldout_loss is missing"):
+        RungResult.from_dict({k: v for k, v in rows[0].items() if k != "heldout_loss"})
+    with pytest.raises(ValueError, match="step_ms must be None on a skipped rung"):
+        RungResult.from_dict({**skipped, "step_ms": 1.0})
+    with pytest.raises(ValueError, match="unknown rung result fields: \\['speed'\\]"):
+        RungResult.from_dict({**rows[0], "speed": 1.0})
+
+
+def markdown_tables(text: str) -> list[str]:
+    return [b for b in text.split("\n\n") if b.startswith("| ")]
+
+
+def test_the_report_renders_the_h200_run_as_it_was_published():
+    """bench/results/ladder-h200.md holds the tables that the code before the one-report
+    change wrote for ladder-h200.json (the same as README's): the rung table and the
+    controls table must come out character for character."""
+    result = json.loads(H200_RESULT.read_text())
+    report = report_markdown(result)
+    published = (H200_RESULT.parent / "ladder-h200.md").read_text()
+    rung_table, controls_table = markdown_tables(report)
+    assert [rung_table, controls_table] == markdown_tables(published)
+    assert rung_table.count("\n") == 2 + 8 - 1 and "| 8. no_padding | 136,890 |" in rung_table
+    assert report.startswith("# GPU optimization ladder on NVIDIA H200\n\ntorch 2.11.0+cu130, ")
+    assert "commit `6640468+uncommitted-profiling`" in report
+    assert "Measured ceilings: bf16 matmul 788 TFLOP/s, device copy 4244 GB/s." in report
+
+
+@pytest.mark.slow
+def test_bench_script_runs_from_a_checkout_without_quantloop_installed(tmp_path):
+    """bench/ladder.py as on the GPU machine: torch and the rest importable, quantloop not
+    installed. `-S` skips site, so the venv's .pth files (the editable install's import
+    finder) do not run, while PYTHONPATH still names the venv's packages."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = sysconfig.get_paths()["purelib"]
+
+    def python(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-S", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)  # fmt: skip
+
+    assert "No module named 'quantloop'" in python("-c", "import quantloop.profiling").stderr
+    out = tmp_path / "out"
+    run = python(str(ROOT / "bench" / "ladder.py"), "--out", str(out), "--work",
+                 str(tmp_path / "work"), "--preset", "cpu_tiny", "--rungs", "1",
+                 "--controls", "fp32")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "ladder-h200.json").read_text())
+    assert [(r["name"], r["equivalent"]) for r in result["rungs"]] == [("baseline", True)]
+    assert result["commit"] == git_commit(short=True)  # the checkout's, without --commit
+    assert (out / "ladder-h200.md").read_text() == report_markdown(result)
+
+
 @pytest.mark.slow
 def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     from quantloop.flows.ladder import LadderParams, ladder
@@ -247,6 +314,8 @@ def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     assert set(result["controls"]) == {"fp32", "bf16", "other_seed"}
     assert result["controls"]["fp32"]["fails_fp32"] == []  # rounding passes ...
     assert result["controls"]["other_seed"]["fails_bf16"]  # ... another model does not
+    written = json.loads((tmp_path / "out" / "ladder.json").read_text())["rungs"]
+    assert [RungResult.from_dict(r).to_dict() for r in written] == written
     report = (tmp_path / "out" / "ladder.md").read_text()
     assert "| 8. no_padding |" in report and "skipped: no CUDA device" in report
 

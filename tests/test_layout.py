@@ -96,6 +96,35 @@ def test_code_digest_is_the_same_from_the_wheel_and_the_checkout(wheel, tmp_path
     shutil.rmtree(tree / "models")
 
 
+def test_bench_checkout_maps_the_packages_to_its_own_checkout(tmp_path):
+    """bench/checkout.py, for the GPU machine where quantloop is not installed: a copy of
+    the checkout imports quantloop's packages from its own folders (pyproject's
+    package-dir). `-S` leaves out site-packages, and with it the installed quantloop."""
+    from bench.checkout import use_checkout
+
+    assert use_checkout() is False  # installed here: nothing to do
+    copy = tmp_path / "checkout"
+    for name in ("quantloop", *SUBPACKAGES):
+        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "bench").mkdir()
+    for name in ("pyproject.toml", "bench/checkout.py"):
+        shutil.copy(ROOT / name, copy / name)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from bench.checkout import use_checkout\n"
+        "assert use_checkout()\n"
+        "import quantloop.profiling.config, quantloop.tasks.provenance\n"
+        "print(quantloop.profiling.config.__file__, quantloop.tasks.provenance.__file__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-S", "-c", code, str(copy)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [
+        str(copy / "profiling" / "config.py"), str(copy / "tasks" / "provenance.py")
+    ]  # fmt: skip
+
+
 def lint_imports(tree: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     exe = Path(sys.executable).with_name("lint-imports")

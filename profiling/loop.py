@@ -1,0 +1,210 @@
+"""One rung's training run: a fresh OrderBookNet from the ladder's seed, trained on the
+same batches in the same order for `cfg.steps` steps with the rung's switches on, timed
+and traced; then its predictions on the held-out day (padded, eager, float32).
+
+The schedule is warm-up (compile, capture) | timed | profiled, all of them training steps:
+the clock reads only the timed ones, the profiler only the last `profiled_steps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from quantloop.models.orderbook import ModelConfig, OrderBookNet
+from quantloop.profiling import kernels, measure
+from quantloop.profiling.compile import apply_compile
+from quantloop.profiling.config import LadderConfig
+from quantloop.profiling.cudagraph import apply_cudagraph
+from quantloop.profiling.metrics import DeviceLogger, HostLogger
+from quantloop.profiling.packing import apply_packing
+from quantloop.profiling.precision import apply_precision, autocast
+from quantloop.profiling.rungs import Rung, Switches
+from quantloop.profiling.streams import Layout, Prefetcher, SyncLoader
+from quantloop.profiling.workload import (
+    Windows,
+    Workload,
+    packed_batch,
+    packed_spec,
+    padded_batch,
+    padded_index,
+    padded_spec,
+)
+from quantloop.tasks.training import torch_threads
+
+TRACE_PATH = "{out}/trace-rung{number}-{name}.json"
+
+
+def model_config(cfg: LadderConfig, work: Workload) -> ModelConfig:
+    """The OrderBookNet every rung trains: the ladder's sizes, the workload's widths."""
+    return ModelConfig(
+        n_features=work.n_features,
+        n_outputs=len(work.label_names),
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        ff_mult=cfg.ff_mult,
+        max_len=cfg.max_len,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class RungRun:
+    """What one training run leaves: its series, held-out predictions, clocks and counts."""
+
+    loss: np.ndarray  # [steps]
+    grad_norm: dict[str, np.ndarray]
+    pred_test: np.ndarray  # [test rows, L] bps
+    pred_threshold: np.ndarray  # [threshold rows, L] bps
+    warmup_s: float
+    timed_s: float  # device timeline of the timed steps
+    timed_wall_s: float
+    gpu_util: float | None
+    peak_mem_gb: float | None
+    counts: measure.TraceCounts | None
+    trace: str | None
+    batch_bytes: int
+
+
+@torch.no_grad()
+def predict(
+    model: OrderBookNet, work: Workload, w: Windows, batch: int, device: torch.device
+) -> np.ndarray:
+    """Predictions in bps for windows `w`: padded, eager, float32 (TF32 off), eval mode."""
+    model.eval()
+    feats = torch.from_numpy(work.features).to(device)
+    out = []
+    for a in range(0, len(w), batch):  # one iteration per batch of windows
+        idx, mask = padded_index(
+            w, np.arange(a, min(a + batch, len(w))), work.max_len, work.pad_row
+        )
+        x = feats[torch.from_numpy(idx).to(device)]
+        out.append(model(x, torch.from_numpy(mask).to(device)).float().cpu().numpy())
+    return work.normalizer.unscale_labels(np.concatenate(out))
+
+
+def train_rung(
+    rung: Rung,
+    sw: Switches,
+    work: Workload,
+    cfg: LadderConfig,
+    device: torch.device,
+    out: str | None,
+    *,
+    perturb: float = 0.0,
+) -> RungRun:
+    """Train one rung; `perturb` > 0 multiplies every initial weight by (1 +- perturb),
+    signs from a fixed generator: the controls that measure how far rounding alone moves
+    this training run's answer."""
+    torch._dynamo.reset()
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index or 0] if cuda else []):
+        torch.manual_seed(cfg.seed)
+        model = OrderBookNet(model_config(cfg, work)).to(device)
+        if perturb:
+            gen = torch.Generator().manual_seed(cfg.seed + 1)
+            with torch.no_grad():
+                for p in model.parameters():
+                    sign = torch.randint(0, 2, p.shape, generator=gen).mul(2).sub(1)
+                    p.mul_(1 + perturb * sign.to(p.device, p.dtype))
+    n_out = len(work.label_names)
+
+    if sw.fused_kernel:
+        opt = kernels.FusedAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if sw.device_metrics:
+        chunk_owner = opt.chunk_owner if sw.fused_kernel else None
+        logger = DeviceLogger(model, n_out, cfg.log_every, device, chunk_owner=chunk_owner)
+        if sw.fused_kernel:
+            opt.log_into(logger.ring, logger.slot, logger.norm_col)
+    else:
+        logger = HostLogger(model)
+    net = apply_packing(model) if sw.packing else model
+    if sw.compile:
+        net = apply_compile(net, cfg=cfg)
+    inputs = ("x", "pos", "seg", "last", "count") if sw.packing else ("x", "mask")
+
+    def step_fn(batch: dict[str, torch.Tensor]) -> None:
+        with autocast(device, sw.bf16):
+            pred = net(*(batch[k] for k in inputs))
+        pred = pred.float()
+        loss = F.mse_loss(pred, batch["y"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        logger.record(loss, pred, batch["y"])
+        opt.step()
+        logger.advance()
+
+    make = packed_batch if sw.packing else padded_batch
+    layout = Layout((packed_spec if sw.packing else padded_spec)(work, cfg.batch_size))
+    if sw.streams:
+        loader = Prefetcher(
+            lambda step, views: make(work, step, out=views), layout, cfg.steps, device,
+            cfg.prefetch_depth,
+        )  # fmt: skip
+    else:
+        loader = SyncLoader(lambda step: make(work, step), device)
+    graphed = (
+        apply_cudagraph(step_fn, layout, device=device, eager_steps=cfg.warmup_steps - 1)
+        if sw.cudagraph
+        else None
+    )
+
+    W, T, P = cfg.warmup_steps, cfg.timed_steps, cfg.profiled_steps
+    timer = measure.StepTimer(device)
+    sampler = measure.UtilSampler(device)
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+    )
+    prof = None
+    trace = TRACE_PATH.format(out=out, number=rung.number, name=rung.name) if out else None
+    warmup_s = timed = wall = 0.0
+    peak = None
+    model.train()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with apply_precision(device, enabled=sw.bf16), torch_threads(cfg.num_threads):
+            timer.start()
+            for step in range(cfg.steps):
+                if step == W:
+                    warmup_s = timer.stop()[1]
+                    sampler.__enter__()
+                    timer.start()
+                elif step == W + T:
+                    timed, wall = timer.stop()
+                    sampler.__exit__(None, None, None)
+                    if cuda:
+                        peak = torch.cuda.max_memory_allocated(device) / 2**30
+                    if trace:
+                        prof = torch.profiler.profile(activities=acts)
+                        prof.__enter__()
+                with torch.profiler.record_function(measure.STEP_LABEL):
+                    flat, batch = loader.get(step)
+                    if graphed is not None:
+                        graphed(flat)
+                    else:
+                        step_fn(batch)
+                    loader.release()
+                    logger.end_step(step, cfg.steps - 1)
+            measure.sync(device)
+            if prof is not None:
+                prof.__exit__(None, None, None)
+    finally:
+        loader.close()
+    counts = None
+    if prof is not None:
+        prof.export_chrome_trace(trace)
+        counts = measure.count_trace(trace, P)
+    loss, _, norms = logger.series()  # the accuracies are recorded, not compared
+    pred_test = predict(model, work, work.test, cfg.predict_batch, device)
+    pred_thr = predict(model, work, work.threshold, cfg.predict_batch, device)
+    return RungRun(
+        loss=loss, grad_norm=norms, pred_test=pred_test, pred_threshold=pred_thr,
+        warmup_s=warmup_s, timed_s=timed, timed_wall_s=wall, gpu_util=sampler.mean,
+        peak_mem_gb=peak, counts=counts, trace=trace, batch_bytes=layout.nbytes,
+    )  # fmt: skip
