@@ -24,7 +24,7 @@ from quantloop.tasks import progress, tracking
 from quantloop.tasks.features import FeatureParams
 from quantloop.tasks.landing import business_days, land_lobster, land_synthetic, read_lobster_folder
 from quantloop.tasks.nodes import sha256_json
-from quantloop.tasks.planning import product_params
+from quantloop.tasks.planning import normalized_overrides, product_params
 from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import SimConfig
@@ -105,8 +105,7 @@ class ResearchParams(BaseModel):
         # are read (preflight), so only the parameter names are checked here.
         if self.data.lobster_dir is None:
             product_params(self.features, self.product_features, self.data.products)
-        else:
-            product_params(self.features, self.product_features, list(self.product_features))
+        self.product_features = normalized_overrides(self.features, self.product_features)
         return self
 
     def preflight(self) -> list[str]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 import pyarrow as pa
+from pydantic import TypeAdapter, ValidationError
 
 from quantloop.tasks.catalog import Entry
 from quantloop.tasks.features import (
@@ -23,6 +23,18 @@ from quantloop.tasks.nodes import (
     node_keys,
     sha256_json,
 )
+
+_FEATURES = TypeAdapter(FeatureParams)
+
+
+def normalized_overrides(base: FeatureParams, overrides: Mapping[str, Mapping]) -> dict[str, dict]:
+    """Per-product overrides with each value in its canonical form (an override written
+    50.0 or "50" is the override 50: the same node keys, the same run hash)."""
+    out = {}
+    for product, values in overrides.items():
+        full = product_params(base, {product: values}, [product])[product].canonical()
+        out[product] = {k: full[k] for k in values}
+    return out
 
 
 def feature_kind() -> NodeKind:
@@ -58,12 +70,13 @@ def product_params(
                     f"product_features[{product!r}]: unknown feature parameter(s) "
                     f"{sorted(unknown)}; known: {sorted(FeatureParams.__dataclass_fields__)}"
                 )
-            values = {k: tuple(v) if isinstance(v, list) else v
-                      for k, v in overrides[product].items()}  # fmt: skip
-            try:
-                params = replace(base, **values)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"product_features[{product!r}]: {exc}") from exc
+            try:  # validated as the form's own fields are: 50, 50.0 and "50" are one value
+                params = _FEATURES.validate_python({**base.canonical(), **overrides[product]})
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+                )
+                raise ValueError(f"product_features[{product!r}]: {problems}") from exc
             if feature_set(params) != layout:
                 raise ValueError(
                     f"product_features[{product!r}] changes the feature columns; "
