@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from prefect.blocks.core import Block
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 
 class MlflowTracking(Block):
@@ -32,6 +32,17 @@ class MlflowTracking(Block):
         default=None,
         description="Where a new experiment stores artifacts (local store only; a server "
         "decides its own). Default: beside the SQLite file.",
+    )
+
+    username: str | None = Field(
+        default=None,
+        description="User for a tracking server started with MLflow's basic auth "
+        "(`mlflow server --app-name basic-auth`). Empty: MLFLOW_TRACKING_USERNAME, if set.",
+    )
+    password: SecretStr | None = Field(
+        default=None,
+        description="That user's password (kept secret: never shown or logged). Empty: "
+        "MLFLOW_TRACKING_PASSWORD, if set.",
     )
 
     def resolved_uri(self) -> str:

@@ -30,6 +30,11 @@ PARENT_TAG = "mlflow.parentRunId"
 def client_for(tracking: MlflowTracking) -> tuple[MlflowClient, str]:
     """A client and the experiment id, creating the experiment if needed."""
     uri = tracking.resolved_uri()
+    if tracking.username and tracking.password:
+        # MLflow's REST client reads credentials from these, per request; a block's
+        # credentials win over the environment's.
+        os.environ["MLFLOW_TRACKING_USERNAME"] = tracking.username
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = tracking.password.get_secret_value()
     client = MlflowClient(tracking_uri=uri)
     with _store_lock(uri):
         # The first call creates a SQLite store's tables: two first runs at once raced

@@ -22,10 +22,27 @@ def prefect_api():
         yield
 
 
+# The session's MLflow server is locked (basic auth), as infra/ and `quantloop serve`
+# run it: every test that records to it does so with credentials.
+MLFLOW_USER, MLFLOW_PASSWORD = "quantloop-test", "test-password-" + os.urandom(6).hex()
+
+
 @pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory) -> str:
-    with servers.mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
-        yield uri
+    folder = tmp_path_factory.mktemp("mlflow")
+    with servers.mlflow_server(folder, credentials=(MLFLOW_USER, MLFLOW_PASSWORD)) as uri:
+        saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_USERNAME",
+                                                "MLFLOW_TRACKING_PASSWORD")}  # fmt: skip
+        os.environ.update(MLFLOW_TRACKING_USERNAME=MLFLOW_USER,
+                          MLFLOW_TRACKING_PASSWORD=MLFLOW_PASSWORD)  # fmt: skip
+        try:
+            yield uri
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

@@ -34,15 +34,36 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
+MLFLOW_AUTH_INI = """[mlflow]
+default_permission = READ
+database_uri = sqlite:///{db}
+admin_username = {user}
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+grant_default_workspace_access = false
+"""
+
+
 @contextlib.contextmanager
-def mlflow_server(folder: Path) -> Iterator[str]:
-    """`mlflow server` on a free loopback port with a SQLite store; yields its URI."""
+def mlflow_server(folder: Path, credentials: tuple[str, str] | None = None) -> Iterator[str]:
+    """`mlflow server` on a free loopback port with a SQLite store; yields its URI.
+
+    With credentials (user, password: 12 characters or more), MLflow's basic-auth app
+    runs in front of it: every request needs them, that user is its admin.
+    """
     port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    auth = []
+    if credentials is not None:
+        user, password = credentials
+        ini = folder / "auth.ini"
+        ini.write_text(MLFLOW_AUTH_INI.format(db=folder / "auth.db", user=user))
+        env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_PASSWORD=password,
+                   MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex())  # fmt: skip
+        auth = ["--app-name", "basic-auth"]
     log = open(folder / "mlflow-server.log", "wb")
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "mlflow", "server",
+            sys.executable, "-m", "mlflow", "server", *auth,
             "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
             "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
             "--artifacts-destination", str(folder / "artifacts"),
