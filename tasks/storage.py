@@ -7,10 +7,12 @@ leave a stray temporary file, never a partial file under a final name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -51,6 +53,8 @@ _S3_ENV = (
     "AWS_SESSION_TOKEN",
     "AWS_PROFILE",
     "AWS_DEFAULT_REGION",
+    "AWS_MAX_ATTEMPTS",
+    "AWS_RETRY_MODE",
 )
 
 
@@ -71,6 +75,25 @@ def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     env = tuple(os.environ.get(k) for k in _S3_ENV) if protocol in ("s3", "s3a") else ()
     fs = _fs_for(protocol, env)
     return fs, fs._strip_protocol(url)
+
+
+class StorageError(OSError):
+    """An object-store call that failed after the client's own retries, naming the URL."""
+
+
+@contextlib.contextmanager
+def _naming(url: str, action: str) -> Iterator[None]:
+    """Errors of a remote store, re-raised naming the URL. s3fs and botocore already
+    retry throttling (503 SlowDown) and dropped connections with backoff (measured
+    through a proxy failing every third request: all calls succeed); what reaches here
+    is a store that stayed down (~30-40 s of retries) or refused the call, and its own
+    message often names no object ("[Errno 16] Please reduce your request rate.")."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"{url}: {action} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def join(root: str, *parts: str) -> str:
@@ -104,17 +127,24 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
             raise
     else:
         # One PUT: S3 makes an object visible only once it is complete.
-        fs.pipe_file(path, data)
+        with _naming(url, "write"):
+            fs.pipe_file(path, data)
 
 
 def read_bytes(url: str) -> bytes:
     fs, path = filesystem(url)
-    return fs.cat_file(path)
+    if is_local(fs):
+        return fs.cat_file(path)
+    with _naming(url, "read"):
+        return fs.cat_file(path)
 
 
 def exists(url: str) -> bool:
     fs, path = filesystem(url)
-    return fs.exists(path)
+    if is_local(fs):
+        return fs.exists(path)
+    with _naming(url, "existence check"):
+        return fs.exists(path)
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
@@ -138,9 +168,10 @@ def read_parquet(url: str) -> pa.Table:
 def list_files(url: str, suffix: str = "") -> list[str]:
     """Complete files under a folder (temporary files skipped), as URLs/paths."""
     fs, path = filesystem(url)
-    if not fs.exists(path):
-        return []
-    found = fs.find(path)
+    with _naming(url, "listing"):
+        if not fs.exists(path):
+            return []
+        found = fs.find(path)
     prefix = url.split("://", 1)[0] + "://" if "://" in url else ""
     return sorted(
         prefix + p for p in found if p.endswith(suffix) and TMP_MARK not in os.path.basename(p)
@@ -169,7 +200,8 @@ def read_range(url: str, offset: int, length: int) -> bytes:
         with open(path, "rb") as f:
             f.seek(offset)
             return f.read(length)
-    return fs.cat_file(path, start=offset, end=offset + length)
+    with _naming(url, "read"):
+        return fs.cat_file(path, start=offset, end=offset + length)
 
 
 class BlobReader:

@@ -183,3 +183,95 @@ def prefect_worker(
         # SIGTERM lets the worker cancel its own flow-run processes before it exits.
         _stop(proc, timeout=30)
         log.close()
+
+
+class FlakyProxy:
+    """An HTTP proxy in front of a server that fails some requests on purpose: every
+    `slow_down_every`-th gets S3's throttling answer (503 SlowDown), every
+    `drop_every`-th has its connection closed with no answer, every `delay_every`-th
+    waits `delay_s` first. Counts what it did, so a test can show the faults happened."""
+
+    SLOW_DOWN = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+        b"<Message>Please reduce your request rate.</Message></Error>"
+    )
+
+    def __init__(self, target: str, *, slow_down_every: int = 0, drop_every: int = 0,
+                 delay_every: int = 0, delay_s: float = 1.0):  # fmt: skip
+        import http.client
+        import http.server
+        import threading
+        import urllib.parse
+
+        self.target = urllib.parse.urlsplit(target)
+        self.slow_down_every, self.drop_every = slow_down_every, drop_every
+        self.delay_every, self.delay_s = delay_every, delay_s
+        self.requests = self.slowed = self.dropped = self.delayed = self.forwarded = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _handle(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy._lock:
+                    proxy.requests += 1
+                    n = proxy.requests
+                if proxy.drop_every and n % proxy.drop_every == 0:
+                    with proxy._lock:
+                        proxy.dropped += 1
+                    self.close_connection = True
+                    self.connection.shutdown(2)  # no answer at all
+                    return
+                if proxy.slow_down_every and n % proxy.slow_down_every == 0:
+                    with proxy._lock:
+                        proxy.slowed += 1
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(proxy.SLOW_DOWN)))
+                    self.end_headers()
+                    self.wfile.write(proxy.SLOW_DOWN)
+                    return
+                if proxy.delay_every and n % proxy.delay_every == 0:
+                    with proxy._lock:
+                        proxy.delayed += 1
+                    time.sleep(proxy.delay_s)
+                upstream = http.client.HTTPConnection(proxy.target.hostname, proxy.target.port,
+                                                      timeout=60)  # fmt: skip
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                upstream.request(self.command, self.path, body=body or None, headers=headers)
+                answer = upstream.getresponse()
+                data = answer.read()
+                self.send_response(answer.status, answer.reason)
+                for k, v in answer.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream.close()
+                with proxy._lock:
+                    proxy.forwarded += 1
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> FlakyProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -15,7 +17,14 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from quantloop.blocks import MlflowTracking
-from quantloop.tasks import tracking
+from quantloop.tasks import storage, tracking
+from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.nodes import NodeStore, run_nodes
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.stage import StageParams, plan_features
+from quantloop.tasks.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.workspace import Selection, Workspace
+from tests.servers import FlakyProxy
 
 TINY = {
     "data": {"products": ["SYNA"], "n_dates": 2,
@@ -104,3 +113,74 @@ def test_kill_9_of_a_run_leaves_no_process_and_the_next_run_closes_its_mlflow_ru
     # A live run (this process's) is not touched.
     with tracking.run(client, experiment, "alive"):
         assert tracking.close_dead_runs(client, experiment) == []
+
+
+# ---------------------------------------------------------------- S3 that throttles and drops
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> str:
+    import s3fs
+
+    name = f"faults-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir(name)
+    return name
+
+
+def through(monkeypatch, proxy: FlakyProxy, **env: str) -> None:
+    """This process's s3fs goes through `proxy` (storage caches one filesystem per
+    endpoint and retry settings, so the change takes effect at once)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.server
+def test_throttled_and_dropped_s3_calls_are_retried_and_the_nodes_complete(
+    s3_endpoint, s3_bucket, tmp_path, monkeypatch
+):
+    """moto's S3 behind a proxy that answers every third request with 503 SlowDown and
+    drops every fifth connection: landing, feature nodes and their index all complete,
+    every stored byte matches its digest, and no temporary or partial object remains."""
+    import s3fs
+
+    root = f"s3://{s3_bucket}/store"
+    with FlakyProxy(s3_endpoint, slow_down_every=3, drop_every=5) as proxy:
+        through(monkeypatch, proxy)
+        catalog = Catalog(tmp_path / "catalog.sqlite")
+        for day in (dt.date(2026, 3, 2), dt.date(2026, 3, 3)):
+            table = generate_day("SYNA", day, SyntheticConfig(events_per_day=1_500, levels=2))
+            catalog.land("synthetic", Partition("SYNA", day), table, root=root)
+        stage = StageParams(
+            workspace=Workspace(home=str(tmp_path)), selection=Selection()
+        )  # only for its feature parameters
+        plan = plan_features(stage, catalog.table("synthetic"))
+        result = run_nodes(plan.kind, plan.params, plan.nodes, NodeStore(root))
+        assert (result.computed, result.failed) == (2, 0), result.failures
+    assert proxy.slowed > 0 and proxy.dropped > 0, vars(proxy)  # the faults did happen
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # read back past the proxy
+    for row in result.manifest.to_pylist():
+        data = storage.read_range(row["output_url"], row["output_offset"], row["output_length"])
+        assert storage.sha256_hex(data) == row["output_digest"]
+    for e in catalog.entries("synthetic"):
+        assert storage.sha256_hex(storage.read_bytes(e.location)) == e.digest
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    assert not [p for p in fs.find(s3_bucket) if storage.TMP_MARK in p]
+    assert fs.call_s3("list_multipart_uploads", Bucket=s3_bucket).get("Uploads", []) == []
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("fault", ["slow_down_every", "drop_every"])
+def test_s3_that_stays_down_fails_naming_the_object_and_leaves_nothing(
+    s3_endpoint, s3_bucket, monkeypatch, fault
+):
+    url = f"s3://{s3_bucket}/store/never.bin"
+    with FlakyProxy(s3_endpoint, **{fault: 1}) as proxy:
+        # Fewer client retries than the default (~30-40 s of them) keep the test short;
+        # the behaviour is the same.
+        through(monkeypatch, proxy, AWS_MAX_ATTEMPTS="2")
+        with pytest.raises(storage.StorageError, match=f"{url}: write failed"):
+            storage.write_bytes_atomic(url, b"x" * 10_000)
+    assert proxy.forwarded == 0 and proxy.requests > 1  # every try failed, and was retried
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    assert not storage.exists(url)
