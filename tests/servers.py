@@ -44,13 +44,16 @@ grant_default_workspace_access = false
 
 
 @contextlib.contextmanager
-def mlflow_server(folder: Path, credentials: tuple[str, str] | None = None) -> Iterator[str]:
+def mlflow_server(
+    folder: Path, credentials: tuple[str, str] | None = None, port: int | None = None
+) -> Iterator[str]:
     """`mlflow server` on a free loopback port with a SQLite store; yields its URI.
 
     With credentials (user, password: 12 characters or more), MLflow's basic-auth app
-    runs in front of it: every request needs them, that user is its admin.
+    runs in front of it: every request needs them, that user is its admin. A given port
+    (and folder) restarts a stopped server on its store.
     """
-    port = free_port()
+    port = port or free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     auth = []
     if credentials is not None:
@@ -60,7 +63,7 @@ def mlflow_server(folder: Path, credentials: tuple[str, str] | None = None) -> I
         env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_PASSWORD=password,
                    MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex())  # fmt: skip
         auth = ["--app-name", "basic-auth"]
-    log = open(folder / "mlflow-server.log", "wb")
+    log = open(folder / "mlflow-server.log", "ab")
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "mlflow", "server", *auth,

@@ -184,3 +184,50 @@ def test_s3_that_stays_down_fails_naming_the_object_and_leaves_nothing(
     assert proxy.forwarded == 0 and proxy.requests > 1  # every try failed, and was retried
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
     assert not storage.exists(url)
+
+
+# ---------------------------------------------------------------- MLflow away for a while
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_records_wait_for_an_mlflow_server_that_comes_back(tmp_path):
+    """The tracking server stops with a run's records still buffered and comes back on
+    its port; the flush goes through (MLflow's client retries with exponential backoff,
+    ~4 minutes in all by default) and nothing is lost."""
+    import threading
+
+    from tests.servers import free_port, mlflow_server
+
+    port = free_port()
+    with mlflow_server(tmp_path, port=port) as uri:
+        client, experiment = tracking.client_for(MlflowTracking(tracking_uri=uri))
+        recording = tracking.run(client, experiment, "across-a-restart")
+        log = recording.__enter__()
+        log.metrics({"before": 1.0})
+        log.flush()
+        log.series("loss", [0.5, 0.4, 0.3])  # buffered, not sent yet
+    # The server is down now. It comes back on the same port (and store) a few seconds on.
+    back = threading.Event()
+    stop = threading.Event()
+
+    def restart() -> None:
+        time.sleep(3)
+        with mlflow_server(tmp_path, port=port):
+            back.set()
+            stop.wait(300)
+
+    thread = threading.Thread(target=restart, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        log.flush()  # retried until the server answers
+        waited = time.monotonic() - t0
+        recording.__exit__(None, None, None)
+        assert back.is_set() and waited > 3
+        run = client.get_run(log.run_id)
+        assert run.info.status == "FINISHED" and run.data.metrics["before"] == 1.0
+        assert [m.value for m in client.get_metric_history(log.run_id, "loss")] == [0.5, 0.4, 0.3]
+    finally:
+        stop.set()
+        thread.join(60)
