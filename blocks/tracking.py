@@ -28,6 +28,11 @@ class MlflowTracking(Block):
         description="MLflow tracking URI: http://host:5000 for a server, sqlite:///path for local.",
     )
     experiment: str = Field(default="quantloop", description="MLflow experiment name.")
+    registered_model: str = Field(
+        default="quantloop-orderbook",
+        description="Registered model (MLflow Model Registry) that trained models become "
+        "versions of.",
+    )
     artifact_location: str | None = Field(
         default=None,
         description="Where a new experiment stores artifacts (local store only; a server "

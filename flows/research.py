@@ -240,6 +240,9 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
                                 parent_run_id=parent.run_id)  # fmt: skip
         wall_s = time.perf_counter() - t0
         parent.tags({"model_digest": trained.model_digest})
+        if trained.model_version:
+            parent.tags({"registered_model": trained.registered_model,
+                         "model_version": trained.model_version})  # fmt: skip
         parent.metrics(
             {
                 "wall_s": wall_s,
@@ -273,6 +276,8 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
         simulation_cached=sim.cache_hit,
         model_digest=trained.model_digest,
         model_url=trained.model_url,
+        registered_model=trained.registered_model,
+        model_version=trained.model_version,
         data_digest=data_digest,
         code_digest=tags["code_digest"],
         params_hash=tags["params_hash"],

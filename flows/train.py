@@ -6,20 +6,25 @@ import datetime as dt
 import json
 from dataclasses import asdict
 
+from mlflow.entities.model_registry import ModelVersion
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from quantloop.models import orderbook
-from quantloop.tasks import plots, progress, storage, tracking, training
+from quantloop.tasks import plots, progress, registry, storage, tracking, training
 from quantloop.tasks.features import feature_set
 from quantloop.tasks.nodes import code_fingerprint, sha256_json
+from quantloop.tasks.provenance import code_digest
+from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import split_train_test
 from quantloop.tasks.stage import (
     FeatureOutput,
+    Keyed,
     StageParams,
     feature_outputs,
     keyed_output,
     output_key,
+    plan_features,
 )
 from quantloop.tasks.training import (
     TrainConfig,
@@ -42,6 +47,8 @@ class TrainSummary(BaseModel):
     duration_s: float
     device: str
     mlflow_run_id: str | None = None
+    registered_model: str | None = None  # the MLflow registered model and its version
+    model_version: str | None = None
 
 
 def model_key(config: TrainConfig, feature_keys: list[str], holdout_fraction: float) -> str:
@@ -89,9 +96,9 @@ def train(
         )
     logger.info(message)
     progress.note("train", message)
-    run_id = None
+    run_id = version = None
     if parent_run_id is not None:
-        run_id = _record(stage, parent_run_id, config, len(outputs), model, site.name)
+        run_id, version = _record(stage, parent_run_id, config, outputs, model, site.name)
     return TrainSummary(
         model_url=model.url,
         model_key=key,
@@ -103,6 +110,8 @@ def train(
         duration_s=result.duration_s,
         device=result.device,
         mlflow_run_id=run_id,
+        registered_model=version.name if version else None,
+        model_version=version.version if version else None,
     )
 
 
@@ -132,30 +141,35 @@ def _record(
     stage: StageParams,
     parent_run_id: str,
     config: TrainConfig,
-    partitions: int,
-    model,
+    outputs: dict[Partition, FeatureOutput],
+    model: Keyed[TrainResult],
     site: str,
-) -> str:
-    """The "train" MLflow child run; the model file is attached when it was trained now."""
-    result: TrainResult = model.value
-    client, experiment = tracking.client_for(stage.workspace.resolve_tracking())
+) -> tuple[str, ModelVersion]:
+    """The "train" MLflow child run, and the model as a version in the Model Registry
+    (the version of a cached model is found by its key, not registered again)."""
+    result = model.value
+    tracking_block = stage.workspace.resolve_tracking()
+    client, experiment = tracking.client_for(tracking_block)
+    digests = {
+        "data_digest": plan_features(stage).data_digest(),
+        "features_digest": sha256_json(sorted(o.key for o in outputs.values())),
+        "code_digest": code_digest(),
+        "params_hash": sha256_json({
+            "features": stage.features.canonical(), "product_features": stage.product_features,
+            "train": asdict(config), "holdout_fraction": stage.holdout_fraction,
+        }),
+        "model_digest": result.model_digest,
+    }  # fmt: skip
     with tracking.run(client, experiment, "train", parent=parent_run_id) as run:
         run.params({f"train.{k}": v for k, v in asdict(config).items()})
         run.params(
             {
                 "features_hash": sha256_json(stage.features.canonical()),
                 "holdout_fraction": stage.holdout_fraction,
-                "partitions": partitions,
+                "partitions": len(outputs),
             }
         )
-        run.tags(
-            {
-                "model_key": model.key,
-                "model_digest": result.model_digest,
-                "site": site,
-                "cache_hit": model.cache_hit,
-            }
-        )
+        run.tags({"model_key": model.key, "site": site, "cache_hit": model.cache_hit, **digests})
         run.metrics(
             {
                 "samples": result.samples,
@@ -169,6 +183,11 @@ def _record(
         run.series("loss", result.loss_curve, steps)
         run.flush()
         run.figure(plots.loss_curve(result.loss_curve, config.log_every), "loss_curve.png")
-        if not model.cache_hit:
-            run.file(storage.read_bytes(model.url), f"{model.key}.pt", "model")
-        return run.run_id
+        version = registry.register(
+            client, tracking_block.resolved_uri(), experiment, run.run_id, result,
+            outputs[min(outputs)].read(), name=tracking_block.registered_model,
+            model_key=model.key, tags={**digests, "train_run_id": run.run_id,
+                                       "train_config": json.dumps(asdict(config))},
+        )  # fmt: skip
+        run.tags({"registered_model": version.name, "model_version": version.version})
+        return run.run_id, version

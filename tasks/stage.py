@@ -55,6 +55,13 @@ class FeaturePlan:
     params: dict[str, dict]  # canonical parameters by digest (what node keys hash)
     per_product: dict[str, FeatureParams]
 
+    def data_digest(self) -> str:
+        """The digest of exactly which input versions the plan reads: sorted
+        (product/date, partition digest) pairs."""
+        pairs = zip(self.nodes["product"].to_pylist(), self.nodes["date"].to_pylist(),
+                    self.nodes["digest"].to_pylist(), strict=True)  # fmt: skip
+        return sha256_json(sorted((f"{p}/{d}", digest) for p, d, digest in pairs))
+
 
 def plan_features(stage: StageParams, entries: pa.Table | None = None) -> FeaturePlan:
     """Plan the feature nodes of the stage's selection (catalog read and hashing only).

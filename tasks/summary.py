@@ -29,6 +29,10 @@ class ResearchSummary(BaseModel):
     simulation_cached: bool
     model_digest: str
     model_url: str
+    registered_model: str | None = Field(
+        default=None, description="The MLflow registered model the trained model is a version of."
+    )
+    model_version: str | None = None
     data_digest: str
     code_digest: str
     params_hash: str

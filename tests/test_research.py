@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -104,6 +105,33 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     assert set(manifest["status"].to_pylist()) == {"ok"}
     assert all(len(d) == 64 for d in manifest["output_digest"].to_pylist())
 
+    # The model is in the Model Registry, tagged with what made it, and the registered
+    # version predicts what the trained model predicts.
+    version = client.get_model_version(first.registered_model, first.model_version)
+    for tag in ("data_digest", "code_digest", "params_hash", "model_key", "model_digest"):
+        assert len(version.tags[tag]) == 64, tag
+    assert version.tags["model_digest"] == first.model_digest
+    assert version.tags["data_digest"] == first.data_digest
+    assert version.run_id == stages["train"].info.run_id
+    import mlflow.pytorch
+    import torch
+
+    from quantloop.tasks import registry
+    from quantloop.tasks.stage import StageParams, feature_outputs
+    from quantloop.tasks.training import load_model, predict
+    from quantloop.tasks.workspace import Workspace
+
+    with registry.tracking_uri(mlflow_uri):
+        registered = mlflow.pytorch.load_model(f"models:/{version.name}/{version.version}")
+    trained = load_model(first.model_url)
+    [table, *_] = [o.read() for _, o in sorted(feature_outputs(StageParams(
+        workspace=Workspace(home=str(tmp_path / "home")))).items())]  # fmt: skip
+    anchors = np.arange(0, table.num_rows, 97)
+    with torch.no_grad():
+        served = registered(torch.from_numpy(registry.windows(trained, table, anchors))).numpy()
+    assert np.allclose(served, predict(trained, table)[anchors], rtol=1e-4, atol=1e-4)
+    assert len(client.search_logged_models([parent.info.experiment_id])) >= 1
+
     loss = client.get_metric_history(stages["train"].info.run_id, "loss")
     assert [m.step for m in loss] == [5, 10, 15, 20, 25, 30]
     assert stages["train"].data.tags["model_digest"] == first.model_digest
@@ -115,6 +143,8 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     assert again.cache_hits == again.nodes == 6 and again.computed == 0
     assert again.model_cached and again.simulation_cached
     assert again.model_digest == first.model_digest
+    assert (again.registered_model, again.model_version) == (first.registered_model,
+                                                             first.model_version)  # fmt: skip
     assert again.markout_bps == first.markout_bps
 
     changed = research(
