@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from quantloop.flows.features import features as features_flow
 from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
-from quantloop.tasks import progress, tracking
+from quantloop.tasks import progress, storage, tracking
 from quantloop.tasks.features import FeatureParams
 from quantloop.tasks.landing import business_days, land_lobster, land_synthetic, read_lobster_folder
 from quantloop.tasks.nodes import sha256_json
@@ -149,6 +149,11 @@ class ResearchParams(BaseModel):
         return sha256_json(self.model_dump(mode="json", exclude={"workspace"}))
 
 
+# Per-product overrides also go in as MLflow params, up to this many (the full set is
+# always in the resolved_params.json artifact): a run page stays readable.
+MAX_OVERRIDE_PARAMS = 500
+
+
 @task(name="land-data", cache_policy=NO_CACHE)
 def land_data(params: ResearchParams) -> Selection:
     """Put the run's input partitions in the catalog (a no-op for unchanged ones)."""
@@ -231,7 +236,26 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
             }
         )
         parent.tags(tags)
+        # Every input, resolved: the form as run, and each product's effective feature
+        # parameters (a per-product override is visible here, not only as another hash).
+        effective = product_params(params.features, params.product_features,
+                                   selection.products or [])  # fmt: skip
+        parent.json(
+            {"params": params.model_dump(mode="json"),
+             "effective_features": {p: v.canonical() for p, v in sorted(effective.items())},
+             "selection": selection.model_dump(mode="json")},
+            "resolved_params.json", "params",
+        )  # fmt: skip
+        overrides = {
+            f"product_features.{p}.{k}": v
+            for p, o in sorted(params.product_features.items())
+            for k, v in o.items()
+        }
+        parent.params(dict(list(overrides.items())[:MAX_OVERRIDE_PARAMS]))
         parent.flush()
+        parent.dataset(name=selection.dataset, digest=data_digest, context="research",
+                       source=storage.join(site.root, "datasets", selection.dataset),
+                       rows=len(entries))  # fmt: skip
         with stage_heartbeats_off():
             feats = features_flow(stage, shard_size=params.shard_size,
                                   parent_run_id=parent.run_id)  # fmt: skip

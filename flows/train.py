@@ -190,4 +190,8 @@ def _record(
                                        "train_config": json.dumps(asdict(config))},
         )  # fmt: skip
         run.tags({"registered_model": version.name, "model_version": version.version})
+        run.dataset(name=stage.selection.dataset, digest=digests["data_digest"],
+                    context="training", rows=len(outputs),
+                    source=storage.join(stage.workspace.resolve_site().root, "datasets",
+                                        stage.selection.dataset))  # fmt: skip
         return run.run_id, version

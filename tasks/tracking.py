@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import getpass
+import json
 import os
 import socket
 import tempfile
@@ -17,13 +19,19 @@ from typing import Any
 
 import psutil
 import pyarrow as pa
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from quantloop.blocks.tracking import MlflowTracking
 from quantloop.tasks import storage
+from quantloop.tasks.provenance import git_commit
 
 _MAX_METRICS, _MAX_PARAMS, _MAX_TAGS = 1000, 100, 100
+_MAX_PARAM_CHARS = 6000  # MLflow's cap on a parameter value
+# The experiment opens in the UI's model-training view, not its GenAI view.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 PARENT_TAG = "mlflow.parentRunId"
 
 
@@ -41,10 +49,14 @@ def client_for(tracking: MlflowTracking) -> tuple[MlflowClient, str]:
         # in its migration (alembic_version ... 0 found, 1 of 3 pairs here).
         exp = client.get_experiment_by_name(tracking.experiment)
     if exp is not None:
+        if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # made before quantloop set it
+            client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
         return client, exp.experiment_id
     try:
         return client, client.create_experiment(
-            tracking.experiment, artifact_location=tracking.resolved_artifact_location()
+            tracking.experiment,
+            artifact_location=tracking.resolved_artifact_location(),
+            tags=dict([EXPERIMENT_KIND]),
         )
     except Exception:
         # Another process created it between our get and create.
@@ -120,8 +132,9 @@ class RunLog:
         self._tags: list[RunTag] = []
 
     def params(self, values: Mapping[str, Any]) -> None:
-        # MLflow caps a param value at 6,000 characters.
-        self._params += [Param(k, str(v)[:6000]) for k, v in values.items()]
+        """Parameters, each value written one way: lists and tuples as JSON lists
+        ([1, 10, 100], never (1, 10, 100)), mappings as JSON, the rest as str()."""
+        self._params += [Param(k, param_value(v)) for k, v in values.items()]
 
     def tags(self, values: Mapping[str, Any]) -> None:
         self._tags += [RunTag(k, str(v)) for k, v in values.items()]
@@ -161,13 +174,51 @@ class RunLog:
     def figure(self, fig: Any, name: str) -> None:
         self.client.log_figure(self.run_id, fig, name)
 
+    def json(self, value: Any, name: str, artifact_path: str | None = None) -> None:
+        """Log a JSON-able value as a .json artifact (the UI shows it)."""
+        self.file(json.dumps(value, indent=2, sort_keys=True, default=str).encode(), name,
+                  artifact_path)  # fmt: skip
+
+    def dataset(self, *, name: str, source: str, digest: str, context: str, rows: int) -> None:
+        """An input dataset of the run (the UI's Datasets column): which catalog dataset,
+        where it lives, and the digest of exactly the partition versions read."""
+        ds = MetaDataset(
+            resolve_dataset_source(source), name=name,
+            digest=digest[:32],  # MLflow keeps 36 characters; the full digest is a tag
+        )  # fmt: skip
+        tags = [InputTag("mlflow.data.context", context), InputTag("quantloop.digest", digest),
+                InputTag("quantloop.partitions", str(rows))]  # fmt: skip
+        self.client.log_inputs(self.run_id, [DatasetInput(ds._to_mlflow_entity(), tags)])
+
+
+def param_value(value: Any) -> str:
+    if isinstance(value, tuple | list):
+        value = json.dumps(list(value), default=str)
+    elif isinstance(value, Mapping):
+        value = json.dumps(value, sort_keys=True, default=str)
+    return str(value)[:_MAX_PARAM_CHARS]
+
 
 def _prefect_tags() -> dict[str, str]:
     """The Prefect flow run this MLflow run belongs to, when there is one."""
     from prefect.runtime import flow_run
 
     run_id = flow_run.id
-    return {"prefect_flow_run_id": run_id, "prefect_flow": flow_run.flow_name} if run_id else {}
+    if not run_id:
+        return {}
+    return {"prefect_flow_run_id": run_id, "prefect_flow": flow_run.flow_name,
+            "prefect_flow_run_name": flow_run.name}  # fmt: skip
+
+
+def _source_tags(prefect: Mapping[str, str]) -> dict[str, str]:
+    """What the UI's Source and User columns show: the flow (or command) and commit."""
+    flow = prefect.get("prefect_flow")
+    source = f"quantloop.flows.{flow}" if flow else "quantloop"
+    tags = {"mlflow.source.name": source, "mlflow.source.type": "JOB",
+            "mlflow.user": getpass.getuser()}  # fmt: skip
+    if commit := git_commit():
+        tags["mlflow.source.git.commit"] = commit.removesuffix("+dirty")
+    return tags
 
 
 @contextlib.contextmanager
@@ -179,12 +230,18 @@ def run(
     parent: str | None = None,
     tags: Mapping[str, Any] | None = None,
 ) -> Iterator[RunLog]:
-    """An MLflow run that ends FINISHED, or FAILED if the block raises; flushed on exit."""
-    all_tags = {"mlflow.runName": name, **_owner_tags(), **_prefect_tags(), **(tags or {})}
+    """An MLflow run that ends FINISHED, or FAILED if the block raises; flushed on exit.
+
+    Its name carries the Prefect flow run's ("research-clever-fox"), its
+    `quantloop.stage` tag the bare `name` ("research")."""
+    prefect = _prefect_tags()
+    run_name = f"{name}-{prefect['prefect_flow_run_name']}" if prefect else name
+    all_tags = {"mlflow.runName": run_name, "quantloop.stage": name, **_owner_tags(),
+                **_source_tags(prefect), **prefect, **(tags or {})}  # fmt: skip
     if parent:
         all_tags[PARENT_TAG] = parent
     created = client.create_run(
-        experiment_id, run_name=name, tags={k: str(v) for k, v in all_tags.items()}
+        experiment_id, run_name=run_name, tags={k: str(v) for k, v in all_tags.items()}
     )
     log = RunLog(client, created.info.run_id)
     try:

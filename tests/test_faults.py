@@ -105,7 +105,7 @@ def test_kill_9_of_a_run_leaves_no_process_and_the_next_run_closes_its_mlflow_ru
     block = MlflowTracking(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
     client, experiment = tracking.client_for(block)
     [left] = client.search_runs([experiment], filter_string="attributes.status = 'RUNNING'")
-    assert left.data.tags["mlflow.runName"] == "research"
+    assert left.data.tags["quantloop.stage"] == "research"
     assert tracking.close_dead_runs(client, experiment) == [left.info.run_id]
     closed = MlflowClient(block.resolved_uri()).get_run(left.info.run_id)
     assert closed.info.status == "KILLED"

@@ -47,7 +47,7 @@ def children(client: MlflowClient, run_id: str) -> dict:
     found = client.search_runs(
         [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'"
     )
-    return {r.data.tags["mlflow.runName"]: r for r in found}
+    return {r.data.tags["quantloop.stage"]: r for r in found}
 
 
 @pytest.mark.slow
@@ -68,6 +68,17 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     assert tags["prefect_flow_run_id"] == first.prefect_flow_run_id != ""
     assert tags["site"] == "local"
     assert parent.data.metrics["nodes"] == 6
+    # An ML experiment in the UI (not the GenAI view); Source, User and run name filled in.
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert tags["mlflow.source.name"] == "quantloop.flows.research" and tags["mlflow.user"]
+    assert parent.info.run_name == f"research-{tags['prefect_flow_run_name']}"
+    # Every input: the resolved parameters, each product's effective features, the data.
+    [dataset] = parent.inputs.dataset_inputs
+    assert dataset.dataset.name == "synthetic"
+    assert {t.key: t.value for t in dataset.tags}["quantloop.digest"] == first.data_digest
+    assert dataset.dataset.digest == first.data_digest[:32]
+    assert parent.data.params["features.return_lags"] == "[1, 10, 100]"  # lists one way
     assert parent.data.metrics["markout_bps.5s"] == pytest.approx(first.markout_bps["5s"])
     assert "baseline_markout_bps.5s" in parent.data.metrics
 
@@ -159,6 +170,18 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
         )
     )
     assert stages["features"].data.metrics["recomputed.params"] == 3
+    # The override is visible in MLflow: as a param, and in the resolved parameters.
+    changed_parent = client.get_run(changed.mlflow_run_id)
+    assert changed_parent.data.params["product_features.SYNB.ofi_window"] == "20"
+    resolved = json.loads(
+        Path(
+            client.download_artifacts(
+                changed.mlflow_run_id, "params/resolved_params.json", str(tmp_path)
+            )
+        ).read_text()
+    )
+    assert resolved["effective_features"]["SYNB"]["ofi_window"] == 20
+    assert resolved["effective_features"]["SYNA"]["ofi_window"] == 50
     ran = manifest.filter(pc.invert(manifest["cache_hit"]))
     assert set(ran["product"].to_pylist()) == {"SYNB"}
     assert set(ran["reason"].to_pylist()) == {"params"}
