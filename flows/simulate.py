@@ -17,6 +17,7 @@ from quantloop.tasks.simulation import (
     SimConfig,
     baseline_signal,
     markout,
+    paired_difference,
     signal_column,
     split_train_test,
     summarize,
@@ -36,10 +37,13 @@ from quantloop.tasks.training import TrainResult, load_model, predict
 
 
 class SimSummary(BaseModel):
-    model: dict  # summarize(): {product|"total": {count, mean_bps, hit_rate}}
+    model: dict  # summarize(): {product|"total": {count, mean_bps, se_bps, hit_rate}}
     baseline: dict
     markout_bps: dict[str, float]  # model, all products, by horizon
     baseline_markout_bps: dict[str, float]
+    markout_se_bps: dict[str, float]  # standard error of markout_bps
+    # model minus baseline, paired by product, day and 5 minutes: {horizon: mean, se, pairs}
+    paired_bps: dict[str, dict[str, float]]
     trades: int
     baseline_trades: int
     cache_hit: bool = False
@@ -58,7 +62,7 @@ def simulate(
     outputs = feature_outputs(stage)
     key = output_key(
         "simulation",
-        code=code_fingerprint(simulation, training),
+        code=code_fingerprint(simulation, training, replay_all, _stack, _split),
         config=asdict(config),
         model=model_url.rsplit("/", 1)[-1],
         features=sorted(o.key for o in outputs.values()),
@@ -81,6 +85,8 @@ def simulate(
         baseline=base_summary,
         markout_bps=model_summary["total"]["mean_bps"],
         baseline_markout_bps=base_summary["total"]["mean_bps"],
+        markout_se_bps=model_summary["total"]["se_bps"],
+        paired_bps=paired_difference(merged["model"], merged["baseline"], config.horizon_keys()),
         trades=model_summary["total"]["count"],
         baseline_trades=base_summary["total"]["count"],
         cache_hit=sim.cache_hit,
@@ -106,15 +112,27 @@ def simulate(
                         {f"{prefix}.markout_bps.{h}": v for h, v in stats["mean_bps"].items()}
                     )
                     run.metrics({f"{prefix}.hit_rate.{h}": v for h, v in stats["hit_rate"].items()})
+                    run.metrics({f"{prefix}.markout_se_bps.{h}": v
+                                 for h, v in stats["se_bps"].items()})  # fmt: skip
+            for h, d in result.paired_bps.items():
+                run.metrics(
+                    {
+                        f"paired.markout_bps.{h}": d["mean_bps"],
+                        f"paired.se_bps.{h}": d["se_bps"],
+                        f"paired.pairs.{h}": d["pairs"],
+                    }
+                )
             run.flush()
             run.tags({"simulation_key": key, "cache_hit": sim.cache_hit})
             run.table(_stack(merged), "markouts.parquet", "markouts")
             run.figure(
                 plots.markout_curve(
-                    {"model": result.markout_bps, "baseline": result.baseline_markout_bps}
+                    {"model": result.markout_bps, "baseline": result.baseline_markout_bps},
+                    {"model": result.markout_se_bps,
+                     "baseline": base_summary["total"]["se_bps"]},
                 ),
                 "markout_curve.png",
-            )
+            )  # fmt: skip
             result.mlflow_run_id = run.run_id
     return result
 
@@ -131,7 +149,7 @@ def replay_all(
     marks: dict[str, dict[str, list[pa.Table]]] = {"model": {}, "baseline": {}}
     for product in sorted({p.product for p in tables}):
         train_tables = [t for p, t in train_parts.items() if p.product == product]
-        test = [t for p, t in sorted(test_parts.items()) if p.product == product]
+        test = [(p, t) for p, t in sorted(test_parts.items()) if p.product == product]
         signals = {
             "model": lambda t: signal_column(predict(model, t), config),
             "baseline": baseline_signal,
@@ -141,9 +159,11 @@ def replay_all(
             threshold = thresholds_from(
                 np.concatenate([signal_of(t) for t in train_tables]), config
             )
-            for table in test:
+            for part, table in test:
                 trades = replay(table, signal_of(table), threshold, config)
-                marks[name].setdefault(product, []).append(markout(trades, table, config))
+                marked = markout(trades, table, config)
+                day = pa.array([part.date.isoformat()] * marked.num_rows, pa.string())
+                marks[name].setdefault(product, []).append(marked.append_column("day", day))
     return {
         name: {p: pa.concat_tables(ts) for p, ts in by_product.items()}
         for name, by_product in marks.items()

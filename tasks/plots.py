@@ -25,18 +25,32 @@ def loss_curve(loss: list[float], log_every: int) -> Figure:
     return fig
 
 
-def markout_curve(curves: Mapping[str, Mapping[str, float]], title: str = "mark-out") -> Figure:
-    """curves: signal name -> {horizon label: mean mark-out in bps}."""
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, curve in curves.items():
-        labels = list(curve)
-        ax.plot(labels, [curve[h] for h in labels], marker="o", label=name)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel("horizon")
-    ax.set_ylabel("mean mark-out (bps)")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
+def markout_curve(
+    curves: Mapping[str, Mapping[str, float]],
+    errors: Mapping[str, Mapping[str, float]] | None = None,
+    title: str = "mark-out",
+) -> Figure:
+    """curves: signal name -> {horizon label: mean mark-out in bps}; errors: the same
+    shape, standard errors drawn as bars. Clock horizons ("5s") and event horizons
+    ("10ev") are two panels, each on its own axis: they are different clocks, and one
+    line through both would join points that are not neighbours."""
+    panels = [("clock horizon (s)", "s"), ("event horizon (events)", "ev")]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5), sharey=True,
+                             gridspec_kw={"width_ratios": [3, 2]})  # fmt: skip
+    for ax, (label, unit) in zip(axes, panels, strict=True):
+        for name, curve in curves.items():
+            keys = [h for h in curve if h.endswith(unit)]  # "5s" or "10ev"
+            x = [float(h[: -len(unit)]) for h in keys]
+            y = [curve[h] for h in keys]
+            err = [errors[name][h] for h in keys] if errors and name in errors else None
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name)
+        ax.set_xscale("log")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean mark-out (bps)")
+    axes[0].legend()
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 

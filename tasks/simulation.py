@@ -204,20 +204,60 @@ def markout(trades: pa.Table, features: pa.Table, cfg: SimConfig) -> pa.Table:
 
 def _stats(tables: list[pa.Table], keys: list[str]) -> dict:
     count = sum(t.num_rows for t in tables)
-    mean_bps, hit_rate = {}, {}
+    mean_bps, se_bps, hit_rate = {}, {}, {}
     for key in keys:
         parts = [_column(t, f"markout_{key}") for t in tables if f"markout_{key}" in t.column_names]
         v = np.concatenate(parts) if parts else np.zeros(0)
         v = v[np.isfinite(v)]
         mean_bps[key] = float(v.mean()) if len(v) else float("nan")
+        # standard error of the mean: the scale a difference between signals is judged on
+        se_bps[key] = float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
         hit_rate[key] = float((v > 0).mean()) if len(v) else float("nan")
-    return {"count": int(count), "mean_bps": mean_bps, "hit_rate": hit_rate}
+    return {"count": int(count), "mean_bps": mean_bps, "se_bps": se_bps, "hit_rate": hit_rate}
+
+
+PAIR_BUCKET_S = 300.0  # trades of both signals in the same 5 minutes of one day are a pair
+
+
+def paired_difference(
+    model: Mapping[str, pa.Table], baseline: Mapping[str, pa.Table], keys: list[str]
+) -> dict[str, dict[str, float]]:
+    """Model minus baseline mean mark-out per horizon, paired by market conditions: per
+    product, day and PAIR_BUCKET_S of clock time, the difference of the two signals' mean
+    mark-outs there; the mean of those differences and its standard error. Pairing takes
+    the market's own moves out of the comparison (both signals trade the same minutes),
+    which the two means' separate standard errors cannot. Tables need a `day` column."""
+
+    def buckets(table: pa.Table, key: str) -> dict[tuple, float]:
+        v = _column(table, f"markout_{key}")
+        ok = np.isfinite(v)
+        b = np.floor(_column(table, "time") / PAIR_BUCKET_S)
+        days = table.column("day").to_numpy(zero_copy_only=False)
+        sums: dict[tuple, list[float]] = {}
+        for day, bucket, x in zip(days[ok], b[ok], v[ok], strict=True):
+            sums.setdefault((day, bucket), []).append(x)
+        return {k: float(np.mean(xs)) for k, xs in sums.items()}
+
+    out = {}
+    for key in keys:
+        diffs = []
+        for product in sorted(set(model) & set(baseline)):
+            m, b = buckets(model[product], key), buckets(baseline[product], key)
+            diffs += [m[k] - b[k] for k in m.keys() & b.keys()]
+        d = np.asarray(diffs)
+        out[key] = {
+            "mean_bps": float(d.mean()) if len(d) else float("nan"),
+            "se_bps": float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan"),
+            "pairs": len(d),
+        }
+    return out
 
 
 def summarize(markouts_by_product: Mapping[str, pa.Table]) -> dict:
-    """{product: {...}, "total": {...}}, each {"count", "mean_bps": {key: bps},
-    "hit_rate": {key: fraction of trades with a positive mark-out}}; means and hit rates
-    are over trades whose mark-out exists at that horizon (NaN when none)."""
+    """{product: {...}, "total": {...}}, each {"count", "mean_bps": {key: bps}, "se_bps":
+    {key: standard error of that mean}, "hit_rate": {key: fraction of trades with a
+    positive mark-out}}; over trades whose mark-out exists at that horizon (NaN when
+    none)."""
     keys: list[str] = []
     for table in markouts_by_product.values():
         for name in table.column_names:

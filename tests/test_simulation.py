@@ -165,3 +165,40 @@ def test_default_config_end_to_end_on_a_random_book():
     keys = ["1s", "5s", "30s", "60s", "300s", "10ev", "100ev"]
     assert list(s["total"]["mean_bps"]) == keys and list(s["total"]["hit_rate"]) == keys
     assert s["total"]["count"] == trades.num_rows
+
+
+def markouts(times, values, day="2026-03-02") -> pa.Table:
+    return pa.table({"time": pa.array(times, pa.float64()),
+                     "markout_5s": pa.array(values, pa.float64()),
+                     "day": pa.array([day] * len(times))})  # fmt: skip
+
+
+def test_standard_errors_and_the_paired_difference_by_hand():
+    from quantloop.tasks.simulation import paired_difference
+
+    s = summarize({"A": markouts([1, 2, 3, 4], [1.0, 3.0, 5.0, float("nan")])})
+    assert s["A"]["se_bps"]["5s"] == pytest.approx(np.std([1, 3, 5], ddof=1) / math.sqrt(3))
+    # Buckets of 300 s of one day pair up; the model's trades at 301 s and the baseline's
+    # at 599 s share a bucket, the model's lone trade at 900 s has no partner.
+    model = {"A": markouts([10, 20, 301, 900], [2.0, 4.0, 1.0, 50.0])}
+    base = {"A": markouts([15, 599], [1.0, 3.0]), "B": markouts([5], [9.0])}
+    [(key, d)] = paired_difference(model, base, ["5s"]).items()
+    diffs = [3.0 - 1.0, 1.0 - 3.0]  # bucket 0: mean(2, 4) - 1; bucket 1: 1 - 3
+    assert d == {"mean_bps": pytest.approx(np.mean(diffs)), "pairs": 2,
+                 "se_bps": pytest.approx(np.std(diffs, ddof=1) / math.sqrt(2))}  # fmt: skip
+    # another day is another bucket, not a pair
+    other_day = {"A": markouts([15], [1.0], day="2026-03-03")}
+    assert paired_difference(model, other_day, ["5s"])["5s"]["pairs"] == 0
+
+
+def test_markout_plot_keeps_clock_and_event_horizons_apart():
+    from quantloop.tasks.plots import markout_curve
+
+    curve = {"1s": -1.0, "5s": -0.8, "300s": -0.1, "10ev": -0.9, "100ev": -0.3}
+    fig = markout_curve({"model": curve})
+    clock, events = fig.axes
+    [clock_line] = clock.get_lines()[:1]
+    [event_line] = events.get_lines()[:1]
+    assert list(clock_line.get_xdata()) == [1.0, 5.0, 300.0]
+    assert list(event_line.get_xdata()) == [10.0, 100.0]
+    assert list(event_line.get_ydata()) == [-0.9, -0.3]
