@@ -159,16 +159,16 @@ def land_data(params: ResearchParams) -> Selection:
     """Put the run's input partitions in the catalog (a no-op for unchanged ones)."""
     logger = get_run_logger()
     ws, data = params.workspace, params.data
-    catalog, root = ws.catalog(), ws.resolve_site().root
+    catalog, site = ws.catalog(), ws.resolve_site()
     report = lambda done, total: progress.report("data", done, total)  # noqa: E731
     if data.lobster_dir:
-        landed = land_lobster(catalog, root, data.lobster_dir, progress=report)
+        landed = land_lobster(catalog, site.root, data.lobster_dir, site=site.name,
+                              progress=report)  # fmt: skip
         dataset = "lobster"
     else:
         dates = business_days(data.start_date, data.n_dates)
-        landed = land_synthetic(
-            catalog, root, data.products, dates, data.synthetic, progress=report
-        )
+        landed = land_synthetic(catalog, site.root, data.products, dates, data.synthetic,
+                                site=site.name, progress=report)  # fmt: skip
         dataset = "synthetic"
     counts = {s: sum(1 for x in landed if x.status == s) for s in ("new", "changed", "unchanged")}
     line = f"{len(landed):,} partitions of {dataset}: " + ", ".join(

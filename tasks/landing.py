@@ -32,6 +32,7 @@ def land_synthetic(
     cfg: SyntheticConfig,
     *,
     dataset: str = "synthetic",
+    site: str = "local",
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Landed]:
     """Generate and land every (product, date); unchanged partitions are no-ops."""
@@ -40,7 +41,9 @@ def land_synthetic(
     for i, part in enumerate(parts):
         table = generate_day(part.product, part.date, cfg)
         landed.append(
-            catalog.land(dataset, part, table, root=root, source=f"synthetic seed={cfg.seed}")
+            catalog.land(
+                dataset, part, table, root=root, site=site, source=f"synthetic seed={cfg.seed}"
+            )  # fmt: skip
         )
         if progress:
             progress(i + 1, len(parts))
@@ -80,6 +83,7 @@ def land_lobster(
     folder: str | Path,
     *,
     dataset: str = "lobster",
+    site: str = "local",
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Landed]:
     """Ingest every LOBSTER file in a folder (or one file) and land it.
@@ -106,7 +110,9 @@ def land_lobster(
             note("data", line)
     landed = []
     for i, (part, day) in enumerate(sorted(deepest.items())):
-        landed.append(catalog.land(dataset, part, day.table, root=root, source=day.source))
+        landed.append(
+            catalog.land(dataset, part, day.table, root=root, site=site, source=day.source)
+        )
         if progress:
             progress(i + 1, len(deepest))
     return landed

@@ -75,3 +75,14 @@ def test_selection_names_what_is_missing(tmp_path):
             how(Selection(dataset="d", products=["AAA", "ZZZ"]), catalog)
         with pytest.raises(ValueError, match="known datasets: \\['d'\\]"):
             how(Selection(dataset="nope"), catalog)
+
+
+def test_landing_records_the_site_it_landed_at(tmp_path):
+    from quantloop.tasks.landing import land_synthetic
+    from quantloop.tasks.synthetic import SyntheticConfig
+
+    catalog = Workspace(home=str(tmp_path / "h")).catalog()
+    land_synthetic(catalog, str(tmp_path / "onprem"), ["SYNA"], [dt.date(2026, 3, 2)],
+                   SyntheticConfig(events_per_day=200, levels=1), site="onprem")  # fmt: skip
+    [entry] = catalog.entries("synthetic")
+    assert entry.site == "onprem" and entry.location.startswith(str(tmp_path / "onprem"))
