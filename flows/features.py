@@ -39,6 +39,7 @@ from quantloop.tasks.planning import (
     shards,
 )
 from quantloop.tasks.stage import StageParams
+from quantloop.tasks.summary import csv_bytes, failures, node_summary
 from quantloop.tasks.workspace import Workspace
 
 PROGRESS_EVERY_S = 5.0
@@ -255,4 +256,8 @@ def record(
             }
         )
         run.file(manifest_bytes(), "features_manifest.parquet", "manifest")
+        # What the UI can show of the nodes: per product, and every failure.
+        run.file(csv_bytes(node_summary(m)), "nodes_by_product.csv", "manifest")
+        if result.failed:
+            run.file(csv_bytes(failures(m)), "failed_nodes.csv", "manifest")
         return run.run_id

@@ -3,9 +3,13 @@ artifact both render."""
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
 from pydantic import BaseModel, Field
 
 
@@ -82,3 +86,55 @@ def markout_table(summary: ResearchSummary) -> TextTable:
         rows=rows,
         numeric=[False] + [True] * (len(columns) - 1),
     )
+
+
+def node_summary(manifest: pa.Table) -> pa.Table:
+    """A run's node records by product: nodes, computed, cache hits, failed, why they
+    were recomputed, output rows and bytes, compute seconds. Small enough for a UI to
+    show (one row per product, not per node); the failures are listed apart."""
+    ran = pc.invert(manifest["cache_hit"])
+    failed = pc.equal(manifest["status"], "failed")
+    t = (
+        manifest.select(["product", "rows", "output_length", "duration_s"])
+        .append_column("computed", pc.cast(pc.and_(ran, pc.invert(failed)), pa.int64()))
+        .append_column("hit", pc.cast(manifest["cache_hit"], pa.int64()))
+        .append_column("failed", pc.cast(failed, pa.int64()))
+        .append_column("compute_s", pc.if_else(ran, manifest["duration_s"], 0.0))
+    )
+    grouped = t.group_by("product").aggregate([
+        ("product", "count"), ("computed", "sum"), ("hit", "sum"), ("failed", "sum"),
+        ("rows", "sum"), ("output_length", "sum"), ("compute_s", "sum"),
+    ]).sort_by("product")  # fmt: skip
+    reasons: dict[str, dict[str, int]] = {}
+    for product, reason, hit in zip(manifest["product"].to_pylist(),
+                                    manifest["reason"].to_pylist(),
+                                    manifest["cache_hit"].to_pylist(), strict=True):  # fmt: skip
+        if not hit:
+            by = reasons.setdefault(product, {})
+            by[reason or "?"] = by.get(reason or "?", 0) + 1
+    products = grouped["product"].to_pylist()
+    return pa.table({
+        "product": products,
+        "nodes": grouped["product_count"],
+        "computed": grouped["computed_sum"],
+        "cache_hits": grouped["hit_sum"],
+        "failed": grouped["failed_sum"],
+        "why_recomputed": [", ".join(f"{k} {v}" for k, v in sorted(reasons.get(p, {}).items()))
+                           for p in products],  # fmt: skip
+        "output_rows": grouped["rows_sum"],
+        "output_bytes": grouped["output_length_sum"],
+        "compute_s": pc.round(grouped["compute_s_sum"], 4),
+    })  # fmt: skip
+
+
+def failures(manifest: pa.Table) -> pa.Table:
+    """product, date, key and error of every failed node."""
+    failed = manifest.filter(pc.equal(manifest["status"], "failed"))
+    return failed.select(["product", "date", "key", "error"])
+
+
+def csv_bytes(table: pa.Table) -> bytes:
+    """A table as CSV (MLflow's UI shows .csv artifacts as tables)."""
+    sink = io.BytesIO()
+    pa_csv.write_csv(table, sink)
+    return sink.getvalue()

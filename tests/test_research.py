@@ -170,6 +170,12 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
         )
     )
     assert stages["features"].data.metrics["recomputed.params"] == 3
+    by_product = Path(client.download_artifacts(
+        stages["features"].info.run_id, "manifest/nodes_by_product.csv", str(tmp_path)
+    )).read_text().splitlines()  # fmt: skip
+    assert by_product[0].startswith('"product","nodes","computed","cache_hits","failed",')
+    assert by_product[1].startswith('"SYNA",3,0,3,0,""')
+    assert by_product[2].startswith('"SYNB",3,3,0,0,"params 3"')
     # The override is visible in MLflow: as a param, and in the resolved parameters.
     changed_parent = client.get_run(changed.mlflow_run_id)
     assert changed_parent.data.params["product_features.SYNB.ofi_window"] == "20"
