@@ -10,8 +10,10 @@ from prefect.blocks.core import Block
 from pydantic import Field, model_validator
 
 # Imported by every Dask worker as it starts (Dask's preload), so the first batch of
-# a run does not pay for importing the node code (~0.3 s per fresh worker here).
-WORKER_PRELOAD = ("quantloop.tasks.planning",)
+# a run does not pay for importing the node code (~0.3 s per fresh worker here): the
+# engine's worker side and the feature node's code (what a batch task unpickles).
+# infra/dask/site.sh names the same modules.
+WORKER_PRELOAD = ("quantloop.tasks.engine.batch", "quantloop.tasks.features")
 
 
 class Site(Block):

@@ -24,13 +24,7 @@ from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
 from quantloop.tasks import progress, storage, tracking
-from quantloop.tasks.nodes import (
-    MANIFEST_SCHEMA,
-    NodeKind,
-    NodeStore,
-    RunResult,
-    run_nodes,
-)
+from quantloop.tasks.engine import MANIFEST_SCHEMA, NodeKind, NodeStore, RunResult, run_nodes
 from quantloop.tasks.planning import (
     feature_kind,
     param_digests,

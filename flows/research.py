@@ -21,9 +21,9 @@ from quantloop.flows.features import features as features_flow
 from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
 from quantloop.tasks import progress, storage, tracking
+from quantloop.tasks.engine import sha256_json
 from quantloop.tasks.features import FeatureParams
 from quantloop.tasks.landing import business_days, land_lobster, land_synthetic, read_lobster_folder
-from quantloop.tasks.nodes import sha256_json
 from quantloop.tasks.planning import normalized_overrides, product_params
 from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.schema import Partition

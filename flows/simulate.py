@@ -11,7 +11,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from quantloop.tasks import plots, progress, simulation, storage, tracking, training
-from quantloop.tasks.nodes import code_fingerprint
+from quantloop.tasks.engine import code_fingerprint
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import (
     SimConfig,

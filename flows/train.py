@@ -12,8 +12,8 @@ from pydantic import BaseModel
 
 from quantloop.models import orderbook
 from quantloop.tasks import plots, progress, registry, storage, tracking, training
+from quantloop.tasks.engine import code_fingerprint, sha256_json
 from quantloop.tasks.features import feature_set
-from quantloop.tasks.nodes import code_fingerprint, sha256_json
 from quantloop.tasks.provenance import code_digest
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import split_train_test

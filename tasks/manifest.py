@@ -16,7 +16,8 @@ import pyarrow.compute as pc
 
 from quantloop.tasks import storage
 from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.nodes import MANIFEST_SCHEMA, NodeStore, latest_per
+from quantloop.tasks.engine import MANIFEST_SCHEMA, NodeStore
+from quantloop.tasks.engine.store import latest_per
 
 
 def manifest_urls(root: str, kind: str) -> list[str]:

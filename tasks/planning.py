@@ -8,20 +8,12 @@ from collections.abc import Mapping, Sequence
 import pyarrow as pa
 from pydantic import TypeAdapter, ValidationError
 
-from quantloop.tasks.catalog import Entry
+from quantloop.tasks.engine import NodeKind, code_fingerprint, plan_nodes, sha256_json
 from quantloop.tasks.features import (
     FeatureParams,
     compute_features,
     compute_features_many,
     feature_set,
-)
-from quantloop.tasks.nodes import (
-    NODES_SCHEMA,
-    Node,
-    NodeKind,
-    code_fingerprint,
-    node_keys,
-    sha256_json,
 )
 
 _FEATURES = TypeAdapter(FeatureParams)
@@ -102,46 +94,9 @@ def plan_feature_table(
     entries: pa.Table, params: Mapping[str, FeatureParams], kind: NodeKind
 ) -> tuple[pa.Table, dict[str, dict]]:
     """One feature node per row of a catalog table (`Catalog.table`), as a plan table
-    (NODES_SCHEMA); returns it and the params by digest. What `plan_feature_nodes`
-    gives, as columns: a 10^5-node run never builds a Python object per node."""
+    (NODES_SCHEMA); returns it and the params by digest."""
     digest_of, by_digest = param_digests(params)
-    n = entries.num_rows
-    digests = [digest_of[p] for p in entries["product"].to_pylist()]
-    keys = node_keys(kind.name, kind.code, digests, entries["digest"].to_pylist())
-    table = pa.table(
-        {
-            "key": keys,
-            "kind": [kind.name] * n,
-            "product": entries["product"],
-            "date": entries["date"],
-            "code": [kind.code] * n,
-            "params": digests,
-            "url": entries["location"],
-            "offset": entries["offset"],
-            "length": entries["length"],
-            "digest": entries["digest"],
-        },
-        schema=NODES_SCHEMA,
-    )
-    return table, by_digest
-
-
-def plan_feature_nodes(
-    entries: Sequence[Entry], params: Mapping[str, FeatureParams], kind: NodeKind
-) -> tuple[list[Node], dict[str, dict]]:
-    """One feature node per input partition; returns the nodes and params by digest."""
-    digest_of, by_digest = param_digests(params)
-    nodes = [
-        Node(
-            kind=kind.name,
-            partition=e.partition,
-            code=kind.code,
-            params=digest_of[e.partition.product],
-            input=e.blob,
-        )
-        for e in entries
-    ]
-    return nodes, by_digest
+    return plan_nodes(kind, entries, digest_of), by_digest
 
 
 def shards(table: pa.Table, max_nodes: int) -> list[pa.Table]:

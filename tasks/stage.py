@@ -19,8 +19,8 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantloop.tasks import storage
+from quantloop.tasks.engine import NodeKind, NodeStore, output_blob, sha256_json
 from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.nodes import NodeKind, NodeStore, output_blob, sha256_json
 from quantloop.tasks.planning import feature_kind, plan_feature_table, product_params
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.workspace import Selection, Workspace

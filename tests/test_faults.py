@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 from quantloop.blocks import MlflowTracking
 from quantloop.tasks import storage, tracking
 from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.nodes import NodeStore, run_nodes
+from quantloop.tasks.engine import NodeStore, run_nodes
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.stage import StageParams, plan_features
 from quantloop.tasks.synthetic import SyntheticConfig, generate_day

@@ -151,3 +151,29 @@ def test_import_contracts_catch_an_upward_import(wheel, tmp_path):
     result = lint_imports(planted)
     assert result.returncode != 0
     assert "quantloop.tasks.storage -> quantloop.cli" in result.stdout
+
+
+def test_the_engine_contract_catches_a_domain_import(wheel, tmp_path):
+    """The engine may not import the domain: a features import in the engine breaks it."""
+    _, tree = wheel
+    planted = tmp_path / "site"
+    shutil.copytree(tree, planted)
+    store = planted / "quantloop" / "tasks" / "engine" / "store.py"
+    store.write_text(store.read_text() + "\nimport quantloop.tasks.features  # noqa\n")
+    result = lint_imports(planted)
+    assert result.returncode != 0
+    assert "quantloop.tasks.engine.store -> quantloop.tasks.features" in result.stdout
+
+
+def test_site_workers_preload_what_the_site_block_names():
+    """infra/dask/site.sh starts workers with the modules blocks/site.py preloads for a
+    local cluster, and each of them imports."""
+    import importlib
+    import re
+
+    from quantloop.blocks.site import WORKER_PRELOAD
+
+    script = (ROOT / "infra" / "dask" / "site.sh").read_text()
+    assert tuple(re.findall(r"--preload (\S+)", script)) == WORKER_PRELOAD
+    for name in WORKER_PRELOAD:
+        importlib.import_module(name)

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
 from quantloop.flows.research import ResearchParams
+from quantloop.tasks.engine import sha256_json
 from quantloop.tasks.features import FeatureParams
 from quantloop.tasks.ingest import DataValidationError, read_lobster
-from quantloop.tasks.nodes import sha256_json
 from quantloop.tasks.schema import DUMMY_ASK, DUMMY_BID, MESSAGE_FIELDS, levels_of
 from quantloop.tasks.synthetic import SyntheticConfig, generate_day
 

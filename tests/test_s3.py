@@ -17,9 +17,9 @@ from distributed import Client, LocalCluster
 
 from quantloop.tasks import storage
 from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.engine import NodeStore, run_nodes
 from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.nodes import NodeStore, run_nodes
-from quantloop.tasks.planning import feature_kind, plan_feature_nodes, product_params
+from quantloop.tasks.planning import feature_kind, plan_feature_table, product_params
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.synthetic import SyntheticConfig, generate_day
 
@@ -54,7 +54,8 @@ def test_feature_nodes_on_s3_with_dask_workers(bucket, s3_endpoint, tmp_path):
     assert all(storage.sha256_hex(storage.read_bytes(e.location)) == e.digest for e in entries)
 
     kind = feature_kind()
-    nodes, params = plan_feature_nodes(entries, product_params(FeatureParams(), {}, PRODUCTS), kind)
+    per_product = product_params(FeatureParams(), {}, PRODUCTS)
+    nodes, params = plan_feature_table(catalog.table("synthetic"), per_product, kind)
     store = NodeStore(root)
     with (
         LocalCluster(
@@ -99,5 +100,5 @@ def test_feature_nodes_on_s3_with_dask_workers(bucket, s3_endpoint, tmp_path):
     assert segments and all(o.endswith(".parquet") for o in segments)
     assert set(objects) == outputs | landed | set(segments)
     indexed = store.index(kind.name)
-    assert set(indexed["key"].to_pylist()) == {n.key for n in nodes}
+    assert set(indexed["key"].to_pylist()) == set(nodes["key"].to_pylist())
     assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []

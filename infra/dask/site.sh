@@ -23,7 +23,8 @@ case "$2" in
     exec "$dask" worker "tcp://$SCHEDULER_HOST:$SCHEDULER_PORT" \
       --name "$SITE-$(hostname -s)" \
       --nworkers "$NWORKERS" --nthreads 1 --memory-limit "$MEMORY_LIMIT" \
-      --local-directory "$LOCAL_DIR" --preload quantloop.tasks.planning
+      --local-directory "$LOCAL_DIR" \
+      --preload quantloop.tasks.engine.batch --preload quantloop.tasks.features
     ;;
   *)
     echo "unknown role $2 (scheduler or worker)" >&2

@@ -1,26 +1,24 @@
-"""The node engine: keys, cache hits, incremental re-runs, crash safety, manifests."""
+"""The node engine (quantloop.tasks.engine): keys, cache hits, incremental re-runs, crash
+safety, manifests. Plans are the columnar planner's tables, as the features flow makes them."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
 import signal
-from dataclasses import replace
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
 from quantloop.tasks import storage
 from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.engine import NodeKind, NodeStore, node_keys, plan_nodes, run_nodes
+from quantloop.tasks.engine.batch import run_batch
+from quantloop.tasks.engine.sizing import batch_size
 from quantloop.tasks.features import FeatureParams, features_node
-from quantloop.tasks.nodes import NodeKind, NodeStore, batch_size, node_table, run_batch, run_nodes
-from quantloop.tasks.planning import (
-    feature_kind,
-    plan_feature_nodes,
-    plan_feature_table,
-    product_params,
-)
+from quantloop.tasks.planning import feature_kind, plan_feature_table, product_params
 from quantloop.tasks.schema import Partition
 from tests.books import random_book
 
@@ -42,24 +40,38 @@ def landed(tmp_path):
 def plan(catalog, overrides=None, kind=None, base=None, dataset="test"):
     kind = kind or feature_kind()
     params = product_params(base or FeatureParams(), overrides or {}, PRODUCTS)
-    return kind, *plan_feature_nodes(catalog.entries(dataset), params, kind)
+    return kind, *plan_feature_table(catalog.table(dataset), params, kind)
 
 
 def not_hits(result):
     return result.manifest.filter(pc.invert(result.manifest["cache_hit"]))
 
 
+def keys(nodes) -> list[str]:
+    return nodes["key"].to_pylist()
+
+
 def test_key_changes_exactly_with_code_params_inputs(landed):
     catalog, _ = landed
-    _, nodes, _ = plan(catalog)
-    node = nodes[0]
-    assert node.key == replace(node).key  # deterministic
-    assert replace(node, code="x").key != node.key
-    assert replace(node, params="x").key != node.key
-    assert replace(node, input=replace(node.input, digest="x")).key != node.key
-    moved = replace(node, input=replace(node.input, url="s3://elsewhere/x", offset=7))
-    assert moved.key == node.key  # where the input lives is not what it is
-    assert len({n.key for n in nodes}) == len(nodes)
+    kind, nodes, _ = plan(catalog)
+    node = nodes.slice(0, 1).to_pylist()[0]
+
+    def key(kind_name=kind.name, code=node["code"], params=node["params"], digest=node["digest"]):
+        return node_keys(kind_name, code, [params], [digest])[0]
+
+    assert key() == node["key"]  # the plan's key, deterministic
+    for changed in ({"kind_name": "x"}, {"code": "x"}, {"params": "x"}, {"digest": "x"}):
+        assert key(**changed) != node["key"], changed
+    assert len(set(keys(nodes))) == nodes.num_rows
+    # Where the input lives is not what it is: moved partitions keep their keys.
+    entries = catalog.table("test")
+    moved = entries.set_column(
+        entries.schema.get_field_index("location"),
+        "location",
+        pa.array(["s3://elsewhere/x"] * entries.num_rows),
+    )
+    params_of = dict(zip(nodes["product"].to_pylist(), nodes["params"].to_pylist(), strict=True))
+    assert keys(plan_nodes(kind, moved, params_of)) == keys(nodes)
 
 
 def test_rerun_is_all_cache_hits_and_changed_param_reruns_only_its_nodes(landed):
@@ -80,10 +92,11 @@ def test_rerun_is_all_cache_hits_and_changed_param_reruns_only_its_nodes(landed)
     assert set(not_hits(changed)["product"].to_pylist()) == {"BBB"}
     assert set(not_hits(changed)["reason"].to_pylist()) == {"params"}
     # hits and computed rows together, in the plan's order
-    order = [n.key for n in nodes]
+    order = keys(nodes)
     assert changed.manifest["key"].to_pylist() == order
     assert changed.manifest["cache_hit"].to_pylist() == [True, True, False, False]
-    assert run_nodes(kind, params, nodes[::-1], store).manifest["key"].to_pylist() == order[::-1]
+    backwards = nodes.take(pa.array(range(nodes.num_rows - 1, -1, -1)))
+    assert run_nodes(kind, params, backwards, store).manifest["key"].to_pylist() == order[::-1]
 
 
 def test_partitions_with_identical_content_keep_a_row_each(tmp_path):
@@ -96,8 +109,8 @@ def test_partitions_with_identical_content_keep_a_row_each(tmp_path):
         catalog.land("same", Partition("AAA", day), book, root=root)
     kind = feature_kind()
     params = product_params(FeatureParams(), {}, ["AAA"])
-    nodes, by_digest = plan_feature_nodes(catalog.entries("same"), params, kind)
-    assert nodes[0].key == nodes[1].key
+    nodes, by_digest = plan_feature_table(catalog.table("same"), params, kind)
+    assert nodes["key"][0] == nodes["key"][1]
     for expected_hits in (0, 2):
         result = run_nodes(kind, by_digest, nodes, NodeStore(root))
         assert (result.cache_hits, result.computed) == (expected_hits, 2 - expected_hits)
@@ -109,8 +122,8 @@ def test_manifest_rows_are_complete(landed):
     kind, nodes, params = plan(catalog)
     for result in (run_nodes(kind, params, nodes, store), run_nodes(kind, params, nodes, store)):
         m = result.manifest
-        assert m.num_rows == len(nodes)
-        assert sorted(m["key"].to_pylist()) == sorted(n.key for n in nodes)
+        assert m.num_rows == nodes.num_rows
+        assert sorted(m["key"].to_pylist()) == sorted(keys(nodes))
         for row in m.to_pylist():
             assert row["status"] == "ok" and row["error"] == ""
             assert all(len(row[c]) == 64 for c in ("key", "code", "params", "inputs",
@@ -119,7 +132,7 @@ def test_manifest_rows_are_complete(landed):
             assert row["duration_s"] > 0 and row["site"] == "local"
             assert (row["reason"] == "") == row["cache_hit"]
         assert [(r["product"], r["date"]) for r in m.to_pylist()] == sorted(
-            (n.partition.product, n.partition.date.isoformat()) for n in nodes
+            zip(nodes["product"].to_pylist(), nodes["date"].to_pylist(), strict=True)
         )
 
 
@@ -127,15 +140,16 @@ def test_outputs_read_back_with_their_digest(landed):
     catalog, store = landed
     kind, nodes, params = plan(catalog)
     result = run_nodes(kind, params, nodes, store)
-    entries = {e.partition: e for e in catalog.entries("test")}
-    by_key = {n.key: n for n in nodes}
+    entries = {(e.partition.product, e.partition.date.isoformat()): e
+               for e in catalog.entries("test")}  # fmt: skip
+    by_key = {n["key"]: n for n in nodes.to_pylist()}
     for row in result.manifest.to_pylist():
         node = by_key[row["key"]]
         out = store.read(row)
-        book = storage.read_table(entries[node.partition].blob)
+        book = storage.read_table(entries[node["product"], node["date"]].blob)
         # Byte equality: labels hold NaN at the day's end, and NaN != NaN in Table.equals.
         assert storage.arrow_bytes(out) == storage.arrow_bytes(
-            features_node(book, params[node.params])
+            features_node(book, params[node["params"]])
         )
         assert row["rows"] == out.num_rows
 
@@ -168,20 +182,6 @@ def test_reasons_name_every_changed_part(landed):
     reasons = dict(zip(result.manifest["product"].to_pylist(),
                        result.manifest["reason"].to_pylist(), strict=False))  # fmt: skip
     assert reasons == {"AAA": "code+params", "BBB": "code"}
-
-
-def test_plan_table_matches_node_objects(landed):
-    """The columnar planner (10^5-node runs) gives exactly the nodes the object planner
-    gives, and runs them the same way."""
-    catalog, store = landed
-    kind, nodes, params = plan(catalog, {"BBB": {"ofi_window": 12}})
-    per = product_params(FeatureParams(), {"BBB": {"ofi_window": 12}}, PRODUCTS)
-    table, by_digest = plan_feature_table(catalog.table("test"), per, kind)
-    assert by_digest == params
-    assert table.equals(node_table(nodes))
-    from_table = run_nodes(kind, params, table, store)
-    assert from_table.computed == 4
-    assert run_nodes(kind, params, nodes, store).cache_hits == 4
 
 
 def test_catalog_table_follows_every_write(tmp_path):
@@ -227,7 +227,7 @@ def test_failed_node_is_recorded_not_indexed(landed):
     result = run_nodes(broken, params, nodes, store)
     assert result.failed == 2 and result.computed == 2
     assert all("BBB/" in e and "boom" in e for e in result.failures)
-    committed = store.existing(kind.name, [n.key for n in nodes])
+    committed = store.existing(kind.name, nodes["key"])
     assert set(committed["product"].to_pylist()) == {"AAA"}
     failed = result.manifest.filter(pc.equal(result.manifest["status"], "failed"))
     assert set(failed["output_url"].to_pylist()) == {""}
@@ -273,21 +273,22 @@ def test_batch_of_mixed_depths_is_computed_per_layout(tmp_path):
         return kind.compute_many(books, p)
 
     counting = NodeKind(kind.name, kind.compute, kind.code, kind.prepare, compute_many=many)
-    rows = run_batch(counting, params, node_table(nodes), root, "local")  # one batch
+    rows = run_batch(counting, params, nodes, root, "local")  # one batch
     assert rows["status"].to_pylist() == ["ok"] * 4
     assert len(calls) == 2 and all(len(c) == 1 for c in calls)
     store = NodeStore(root)
-    for node, (_, book) in zip(nodes, parts, strict=True):
-        [row] = store.existing(kind.name, [node.key]).to_pylist()
-        alone = kind.compute(book, kind.prepare(params[node.params]))
+    for node, (_, book) in zip(nodes.to_pylist(), parts, strict=True):
+        [row] = store.existing(kind.name, [node["key"]]).to_pylist()
+        alone = kind.compute(book, kind.prepare(params[node["params"]]))
         assert storage.arrow_bytes(store.read(row)) == storage.arrow_bytes(alone)  # NaNs too
 
 
 def test_input_changed_in_place_is_refused(landed):
     catalog, store = landed
     kind, nodes, params = plan(catalog)
-    storage.write_bytes_atomic(nodes[0].input.url, storage.parquet_bytes(random_book(10, seed=5)))
-    result = run_nodes(kind, params, nodes[:1], store)
+    url = nodes["url"][0].as_py()
+    storage.write_bytes_atomic(url, storage.parquet_bytes(random_book(10, seed=5)))
+    result = run_nodes(kind, params, nodes.slice(0, 1), store)
     assert result.failed == 1
     assert "does not match its digest" in result.failures[0]
 
@@ -323,12 +324,12 @@ def test_batch_size_follows_work_per_node():
 def test_compaction_keeps_every_key(landed):
     catalog, store = landed
     kind, nodes, params = plan(catalog)
-    for n in nodes:  # four runs, four segments
-        run_nodes(kind, params, [n], store)
-    before = store.existing(kind.name, [n.key for n in nodes])
+    for i in range(nodes.num_rows):  # four runs, four segments
+        run_nodes(kind, params, nodes.slice(i, 1), store)
+    before = store.existing(kind.name, nodes["key"])
     assert store.compact(kind.name, min_segments=2) == 4
     assert len(storage.list_files(store.index_url(kind.name), ".parquet")) == 1
-    after = store.existing(kind.name, [n.key for n in nodes])
+    after = store.existing(kind.name, nodes["key"])
     assert after.sort_by("key").equals(before.sort_by("key"))
 
 
@@ -347,7 +348,7 @@ def test_dask_cluster_gives_same_outputs(landed):
         local.manifest.sort_by("key")["output_digest"]
     )
     assert set(remote.manifest["site"].to_pylist()) == {"pool"}
-    assert remote.manifest["key"].to_pylist() == [n.key for n in nodes]  # plan order
+    assert remote.manifest["key"].to_pylist() == keys(nodes)  # plan order
 
 
 def test_worker_killed_mid_batch_leaves_nothing_half_done(landed, tmp_path):
@@ -369,7 +370,7 @@ def test_worker_killed_mid_batch_leaves_nothing_half_done(landed, tmp_path):
     index = store.index(kind.name)
     # Dask may also re-run finished tasks whose results died with the worker: a key can
     # then be committed twice, always with the same output digest.
-    assert set(index["key"].to_pylist()) == {n.key for n in nodes}
+    assert set(index["key"].to_pylist()) == set(keys(nodes))
     digests = {}
     for r in index.to_pylist():
         assert digests.setdefault(r["key"], r["output_digest"]) == r["output_digest"]

@@ -1,0 +1,179 @@
+"""The driver's side: find a plan's cache hits, send the rest to Dask in batches sized
+as the run goes, and put every node's manifest row back in plan order."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from quantloop.tasks import storage
+from quantloop.tasks.engine.batch import batch_seconds, run_batch, run_batch_ipc
+from quantloop.tasks.engine.plan import NodeKind
+from quantloop.tasks.engine.reasons import explain
+from quantloop.tasks.engine.records import MANIFEST_SCHEMA, manifest_rows
+from quantloop.tasks.engine.sizing import IN_FLIGHT_PER_WORKER, batch_size, typical_node_s
+from quantloop.tasks.engine.store import NodeStore, committed
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    manifest: pa.Table
+    nodes: int
+    cache_hits: int
+    computed: int
+    failed: int
+    wall_s: float
+    batch_size: int = 0  # the largest batch (nodes per Dask task)
+    batches: int = 0  # Dask tasks
+    mlflow_run_id: str | None = None  # set by a flow that records the run
+
+    @property
+    def failures(self) -> list[str]:
+        failed = self.manifest.filter(pc.equal(self.manifest["status"], "failed"))
+        return failed["error"].to_pylist()
+
+
+def run_nodes(
+    kind: NodeKind,
+    params: Mapping[str, dict],
+    plan: pa.Table,
+    store: NodeStore,
+    *,
+    client: Any | None = None,
+    site: str = "local",
+    progress: Callable[[int, int], None] | None = None,
+    index: pa.Table | None = None,
+) -> RunResult:
+    """Run the nodes of a plan (NODES_SCHEMA) that are not cached; returns the manifest
+    of all of them.
+
+    params: parameter dicts by their digest (the plan's "params"); products may differ.
+    client: a `distributed.Client` (the site's cluster); None runs in-process.
+    progress(done, total) is called as batches finish.
+    index: the kind's index, when the caller has read it already (one read per run,
+      not one per shard).
+    """
+    t0 = time.perf_counter()
+    total = plan.num_rows
+    index = store.index(kind.name) if index is None else index
+    keys = plan["key"].combine_chunks()
+    hits = committed(index, keys)
+    todo, parts, cached = plan, [], 0
+    if hits.num_rows:
+        hit = pc.is_in(keys, value_set=hits["key"].combine_chunks())
+        todo, hit_plan = plan.filter(pc.invert(hit)), plan.filter(hit)
+        # Each hit node gets its own row, from its plan row and its key's index row:
+        # two partitions with identical content share a key and an output, not a row.
+        found = hits.take(pc.index_in(hit_plan["key"], value_set=hits["key"]))
+        no_errors = [""] * hit_plan.num_rows
+        parts.append(manifest_rows(hit_plan, found, site, cache_hit=True, reason=no_errors,
+                                   errors=no_errors))  # fmt: skip
+        cached = hit_plan.num_rows
+    done = cached
+    size = batches_run = 0
+    if todo.num_rows:
+        todo = todo.append_column("reason", explain(index, todo))
+        workers = len(client.scheduler_info()["workers"]) if client is not None else 1
+        # Work per node: from the kind's history, then from this run's own batches
+        # (whole task times over their nodes, so each task's fixed cost is included).
+        history_s = typical_node_s(index)
+        measured_s, measured_n = 0.0, 0
+        batches = _Batches(client, kind, params, store.root, site)
+        finished: list[pa.Table] = []
+        pos = 0
+
+        def submit_more() -> None:
+            nonlocal pos, size
+            while pos < todo.num_rows and batches.pending < workers * IN_FLIGHT_PER_WORKER:
+                node_s = measured_s / measured_n if measured_n else history_s
+                n = batch_size(todo.num_rows - pos, workers, node_s)
+                batches.submit(todo.slice(pos, n))
+                pos += n
+                size = max(size, n)
+
+        submit_more()
+        if progress:  # after submitting: the workers start while this reports
+            progress(done, total)
+        for batch_rows in batches:
+            finished.append(batch_rows)
+            batches_run += 1
+            measured_s += batch_seconds(batch_rows)
+            measured_n += batch_rows.num_rows
+            submit_more()
+            done += batch_rows.num_rows
+            if progress:
+                progress(done, total)
+        # in plan order, whatever order the batches finished in
+        parts.append(pa.concat_tables(batches.in_order(finished)).replace_schema_metadata(None))
+    elif progress:
+        progress(done, total)
+    manifest = pa.concat_tables(parts) if parts else MANIFEST_SCHEMA.empty_table()
+    if cached and todo.num_rows:  # hits and computed rows together, in plan order
+        manifest = manifest.take(pc.sort_indices(pc.index_in(manifest["key"], value_set=keys)))
+    failed = pc.sum(pc.equal(manifest["status"], "failed")).as_py() or 0
+    return RunResult(
+        manifest=manifest,
+        nodes=total,
+        cache_hits=cached,
+        computed=total - cached - failed,
+        failed=failed,
+        wall_s=time.perf_counter() - t0,
+        batch_size=size,
+        batches=batches_run,
+    )
+
+
+class _Batches:
+    """Batches in flight on a Dask cluster (or run in-process without a client, each
+    when the iteration reaches it); iterating yields manifest rows as batches finish,
+    and more may be submitted meanwhile."""
+
+    def __init__(self, client, kind: NodeKind, params: Mapping[str, dict], root: str, site: str):
+        self.client, self.kind, self.root, self.site = client, kind, root, site
+        self.params = dict(params)
+        self._submitted = 0
+        self._queue: list[tuple[int, pa.Table]] = []  # in-process: not run yet
+        self._number: dict[Any, int] = {}  # Dask future key -> submission number
+        self._done: list[int] = []  # submission numbers, in the order batches finished
+        if client is not None:
+            from distributed import as_completed
+
+            self._running = as_completed()
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) if self.client is None else self._running.count()
+
+    def submit(self, batch: pa.Table) -> None:
+        number, self._submitted = self._submitted, self._submitted + 1
+        if self.client is None:
+            self._queue.append((number, batch))
+            return
+        # kind and params travel inside each task (small); scattered data would be lost
+        # with a dying worker, and the batch could not be retried elsewhere. A batch goes
+        # as an IPC stream: pickling a slice of a table would send the whole table.
+        future = self.client.submit(run_batch_ipc, self.kind, self.params,
+                                    storage.arrow_bytes(batch), self.root, self.site,
+                                    pure=False)  # fmt: skip
+        self._number[future.key] = number
+        self._running.add(future)
+
+    def __iter__(self) -> Iterator[pa.Table]:
+        if self.client is None:
+            while self._queue:
+                number, batch = self._queue.pop(0)
+                self._done.append(number)
+                yield run_batch(self.kind, self.params, batch, self.root, self.site)
+            return
+        for future in self._running:
+            self._done.append(self._number[future.key])
+            yield future.result()
+
+    def in_order(self, finished: list[pa.Table]) -> list[pa.Table]:
+        """The batches' rows (given in the order they finished) in submission order."""
+        return [finished[i] for i in sorted(range(len(finished)), key=self._done.__getitem__)]
