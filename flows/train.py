@@ -111,7 +111,7 @@ def train(
         device=result.device,
         mlflow_run_id=run_id,
         registered_model=version.name if version else None,
-        model_version=version.version if version else None,
+        model_version=str(version.version) if version else None,
     )
 
 

@@ -110,7 +110,7 @@ def test_research_deployment_runs_on_a_process_worker(prefect_server, tmp_path, 
         [experiment.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
     )
-    assert {r.info.run_name for r in children} >= {"features", "train", "simulate"}
+    assert {r.data.tags["quantloop.stage"] for r in children} >= {"features", "train", "simulate"}
 
     stage = StageParams(workspace=Workspace(home=str(home)), selection=Selection(products=["SYNA"]))
     outputs = feature_outputs(stage)

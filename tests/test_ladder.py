@@ -324,7 +324,7 @@ def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     runs = client.search_runs([exp.experiment_id])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == result["mlflow_run_id"]]
     assert len(children) == 8
-    by_name = {r.data.tags["mlflow.runName"]: r for r in children}
+    by_name = {r.data.tags["quantloop.stage"]: r for r in children}
     assert by_name["rung6-streams"].data.tags["skipped"].startswith("skipped")
     base = by_name["rung1-baseline"]
     assert base.data.metrics["samples_per_s"] > 0 and base.data.metrics["equivalent"] == 1.0
