@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from dataclasses import asdict
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from quantloop.models import orderbook
+from quantloop.profiling import trainer
+from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.tasks import plots, progress, storage, tracking, training
 from quantloop.tasks.features import feature_set
 from quantloop.tasks.nodes import code_fingerprint, sha256_json
@@ -28,7 +31,6 @@ from quantloop.tasks.training import (
     resolve_device,
     save_model,
 )
-from quantloop.tasks.training import train as fit
 
 
 class TrainSummary(BaseModel):
@@ -42,18 +44,47 @@ class TrainSummary(BaseModel):
     duration_s: float
     device: str
     mlflow_run_id: str | None = None
+    rungs: list[str] = []  # the ladder's optimizations applied ([]: the plain loop)
+    steady_samples_per_s: float | None = None  # after the warm-up (compile, capture)
+    step_ms: float | None = None
+    warmup_s: float | None = None
+    gpu_util: float | None = None
+    peak_mem_gb: float | None = None
+    ladder_result: dict | None = None  # the ladder result the rungs relied on
 
 
-def model_key(config: TrainConfig, feature_keys: list[str], holdout_fraction: float) -> str:
-    """What decides the weights: training code, config, device type, features, the split."""
+def model_key(
+    config: TrainConfig,
+    feature_keys: list[str],
+    holdout_fraction: float,
+    rungs: tuple[str, ...] = (),
+) -> str:
+    """What decides the weights: training code, config, device type, features, the split,
+    and the rungs applied (not how they were asked for: "auto" and the same list named
+    explicitly train the same model)."""
+    code = code_fingerprint(training, orderbook)
+    if rungs:
+        code += code_fingerprint(*trainer.RUNG_CODE)
+    config_values = {k: v for k, v in asdict(config).items() if k != "optimizations"}
     return output_key(
         "model",
-        code=code_fingerprint(training, orderbook),
-        config=asdict(config),
+        code=code,
+        config=config_values,
         device=resolve_device(config.device).type,
         features=sorted(feature_keys),
         holdout_fraction=holdout_fraction,
+        rungs=list(rungs),
     )
+
+
+def ladder_results(stage: StageParams) -> list[str]:
+    """The workspace's own ladder result, if `quantloop ladder` ran there (flows/ladder.py
+    writes it): `auto` weighs it with the committed ones."""
+    return [os.path.join(stage.workspace.home_abs, "ladder", "ladder.json")]
+
+
+def plan_for(stage: StageParams, config: TrainConfig) -> Plan:
+    return plan_rungs(config.optimizations, resolve_device(config.device), ladder_results(stage))
 
 
 @flow(name="train")
@@ -66,13 +97,17 @@ def train(
     logger = get_run_logger()
     outputs = feature_outputs(stage)
     site = stage.workspace.resolve_site()
-    key = model_key(config, [o.key for o in outputs.values()], stage.holdout_fraction)
+    plan = plan_for(stage, config)
+    key = model_key(config, [o.key for o in outputs.values()], stage.holdout_fraction, plan.rungs)
+    logger.info("training optimizations: %s", plan.record())
 
     def fit_now() -> TrainResult:
         tables = {p: o.read() for p, o in outputs.items()}
         train_parts, _ = split_train_test(tables, stage.holdout_fraction)
         layout = feature_set(stage.features)
-        return fit(list(train_parts.values()), layout.inputs, layout.labels, config)
+        return trainer.train_applied(
+            list(train_parts.values()), layout.inputs, layout.labels, config, plan
+        )
 
     # load checks the weights against their stored digest
     model = keyed_output(site.root, "model", key, ".pt", load=load_model, compute=fit_now,
@@ -82,16 +117,19 @@ def train(
         message = f"model {key[:12]} is cached (weights {result.model_digest[:12]}): not retrained"
     else:
         record_lineage(site.root, key, result.model_digest, outputs, config, stage.holdout_fraction)
+        steady = result.steady_samples_per_s
         message = (
             f"trained on {result.samples:,} windows ({result.samples_seen:,} seen) in "
-            f"{result.duration_s:.1f} s on {result.device}: {result.samples_per_s:,.0f} samples/s, "
-            f"final loss {result.loss_curve[-1]:.4f}"
+            f"{result.duration_s:.1f} s on {result.device}: {result.samples_per_s:,.0f} samples/s"
+            + (f" ({steady:,.0f} after a {result.warmup_s:.1f} s warm-up)" if steady else "")
+            + f", final loss {result.loss_curve[-1]:.4f}; "
+            + f"optimizations: {', '.join(result.rungs) or 'none'}"
         )
     logger.info(message)
     progress.note("train", message)
     run_id = None
     if parent_run_id is not None:
-        run_id = _record(stage, parent_run_id, config, len(outputs), model, site.name)
+        run_id = _record(stage, parent_run_id, config, len(outputs), model, site.name, plan)
     return TrainSummary(
         model_url=model.url,
         model_key=key,
@@ -103,6 +141,13 @@ def train(
         duration_s=result.duration_s,
         device=result.device,
         mlflow_run_id=run_id,
+        rungs=list(result.rungs),
+        steady_samples_per_s=result.steady_samples_per_s,
+        step_ms=result.step_ms,
+        warmup_s=result.warmup_s,
+        gpu_util=result.gpu_util,
+        peak_mem_gb=result.peak_mem_gb,
+        ladder_result=result.ladder_result,
     )
 
 
@@ -135,12 +180,19 @@ def _record(
     partitions: int,
     model,
     site: str,
+    plan: Plan,
 ) -> str:
-    """The "train" MLflow child run; the model file is attached when it was trained now."""
+    """The "train" MLflow child run; the model file is attached when it was trained now.
+
+    The rungs applied and the ladder result they relied on (file, commit, date) are the
+    model's (a cached model keeps those it was trained with); the plan is this run's."""
     result: TrainResult = model.value
     client, experiment = tracking.client_for(stage.workspace.resolve_tracking())
     with tracking.run(client, experiment, "train", parent=parent_run_id) as run:
         run.params({f"train.{k}": v for k, v in asdict(config).items()})
+        run.params({f"plan.{k}": v for k, v in plan.record().items()})
+        proof = result.ladder_result or {}
+        run.params({f"ladder.{k}": v for k, v in proof.items()})
         run.params(
             {
                 "features_hash": sha256_json(stage.features.canonical()),
@@ -154,8 +206,16 @@ def _record(
                 "model_digest": result.model_digest,
                 "site": site,
                 "cache_hit": model.cache_hit,
+                "rungs": ",".join(result.rungs) or "none",
             }
         )
+        measured = {
+            "steady_samples_per_s": result.steady_samples_per_s,
+            "step_ms": result.step_ms,
+            "warmup_s": result.warmup_s,
+            "gpu_util": result.gpu_util,
+            "peak_mem_gb": result.peak_mem_gb,
+        }
         run.metrics(
             {
                 "samples": result.samples,
@@ -163,6 +223,8 @@ def _record(
                 "duration_s": result.duration_s,
                 "final_loss": result.loss_curve[-1],
                 "cache_hit": float(model.cache_hit),
+                "rungs_applied": float(len(result.rungs)),
+                **{k: v for k, v in measured.items() if v is not None},
             }
         )
         steps = [(i + 1) * config.log_every for i in range(len(result.loss_curve))]
