@@ -292,6 +292,8 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
         train_rungs=trained.rungs,
         train_samples_per_s=trained.steady_samples_per_s or trained.samples_per_s,
         train_ladder_result=trained.ladder_result,
+        inference_mode=sim.inference_mode,
+        inference_samples_per_s=sim.inference_samples_per_s,
     )
     links = {
         name: mlflow_link(summary.tracking_uri, experiment, rid)

@@ -3,6 +3,8 @@ rung 11 turns on Inductor's max-autotune for it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -15,5 +17,14 @@ def apply_compile(module: nn.Module, *, backend: str, autotune: bool = False) ->
     matmul shape and can fuse elementwise epilogues into the chosen template;
     "-no-cudagraphs" because rung 7 captures the whole step itself (profiling.cudagraph).
     """
-    mode = "max-autotune-no-cudagraphs" if autotune else None
-    return torch.compile(module, backend=backend, dynamic=False, mode=mode)
+    return torch.compile(module, backend=backend, dynamic=False, mode=_mode(autotune))
+
+
+def compile_each(modules: Iterable[nn.Module], *, backend: str, autotune: bool = False) -> None:
+    """Compile each module in place (nn.Module.compile), one graph per module."""
+    for m in modules:
+        m.compile(backend=backend, dynamic=False, mode=_mode(autotune))
+
+
+def _mode(autotune: bool) -> str | None:
+    return "max-autotune-no-cudagraphs" if autotune else None

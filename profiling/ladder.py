@@ -40,6 +40,19 @@ def _params(work: Workload, cfg: LadderConfig) -> int:
     return sum(p.numel() for p in OrderBookNet(model_config(cfg, work)).parameters())
 
 
+def work_figures(work: Workload, cfg: LadderConfig) -> tuple[int, float, float]:
+    """Parameters, and the timed steps' mean padding-free matmul FLOPs and positions."""
+    lengths = work.train.lengths[work.order]  # [steps, B]
+    timed = slice(cfg.warmup_steps, cfg.warmup_steps + cfg.timed_steps)
+    useful_flops = float(np.mean([
+        measure.model_flops(list(map(int, row)), seq=0, n_seq=0, d=cfg.d_model,
+                            layers=cfg.n_layers, ff=cfg.ff_mult, n_in=work.n_features,
+                            n_out=len(work.label_names), batch=cfg.batch_size)
+        for row in lengths[timed]
+    ]))  # fmt: skip
+    return _params(work, cfg), useful_flops, float(lengths[timed].sum(1).mean())
+
+
 def run_ladder(
     cfg: LadderConfig,
     out: str,
@@ -56,7 +69,6 @@ def run_ladder(
     cuda = device.type == "cuda"
     log(f"ladder on {device}: building the workload")
     work = build_workload(cfg, os.path.join(out, "store"))
-    lengths = work.train.lengths[work.order]  # [steps, B]
     log(
         f"{len(work.train)} training windows, mean {work.train.lengths.mean():.1f} events "
         f"(max {work.train.lengths.max()}) of max_len {cfg.max_len}; packed rows {work.pack_rows}"
@@ -67,15 +79,7 @@ def run_ladder(
     kernel_err = kernels.check_kernel(device) if cuda and kernels.triton is not None else None
     if ceilings:
         log(f"ceilings: {ceilings}; fused-kernel check max rel err {kernel_err}")
-    n_params = _params(work, cfg)
-    timed = slice(cfg.warmup_steps, cfg.warmup_steps + cfg.timed_steps)
-    useful_flops = float(np.mean([
-        measure.model_flops(list(map(int, row)), seq=0, n_seq=0, d=cfg.d_model,
-                            layers=cfg.n_layers, ff=cfg.ff_mult, n_in=work.n_features,
-                            n_out=len(work.label_names), batch=cfg.batch_size)
-        for row in lengths[timed]
-    ]))  # fmt: skip
-    useful_positions = float(lengths[timed].sum(1).mean())
+    n_params, useful_flops, useful_positions = work_figures(work, cfg)
 
     available = runnable(device)
     base: dict | None = None

@@ -12,6 +12,7 @@ step through it, so a research run applies exactly the pieces the ladder measure
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from quantloop.models.orderbook import ModelConfig, OrderBookNet
 from quantloop.profiling import kernels, measure
-from quantloop.profiling.compile import apply_compile
+from quantloop.profiling.compile import apply_compile, compile_each
 from quantloop.profiling.config import LadderConfig
 from quantloop.profiling.cudagraph import apply_cudagraph
 from quantloop.profiling.metrics import DeviceLogger, HostLogger
@@ -87,6 +88,10 @@ class StepSettings:
     eager_steps: int  # steps run before a CUDA graph is captured (>= 3)
     compile_backend: str
     prefetch_depth: int = 3
+    # compile each transformer block on its own instead of the whole forward module:
+    # gradients then become ready block by block (profiling.distributed overlaps their
+    # all-reduce with the backward of the blocks below)
+    compile_per_block: bool = False
 
     @classmethod
     def of_ladder(cls, cfg: LadderConfig) -> StepSettings:
@@ -126,7 +131,8 @@ class Training:
     optimizer's flat buffer with fused_kernel). plain_logger: the logger without
     device_metrics: "host" (rung 1's per-step .item() syncs) or "loss" (LossLogger).
     step(i) runs training step i: the batch from the loader, then the step eagerly or as
-    the graph's replay.
+    the graph's replay. after_backward runs between backward and the optimizer step
+    (profiling.distributed waits there for the gradient all-reduce).
     """
 
     def __init__(
@@ -138,6 +144,7 @@ class Training:
         device: torch.device,
         *,
         plain_logger: str = "host",
+        after_backward: Callable[[], None] | None = None,
     ) -> None:
         self.model, self.sw, self.steps = model, sw, s.steps
         n_out = work.labels.shape[1]
@@ -157,8 +164,11 @@ class Training:
         else:
             logger = HostLogger(model)
         self.opt, self.logger = opt, logger
-        net = apply_packing(model) if sw.packing else model
-        if sw.compile:
+        net = apply_packing(model, flex=sw.flex_attention) if sw.packing else model
+        if sw.compile and s.compile_per_block:
+            layers = net.layers if sw.packing else model.blocks
+            compile_each(layers, backend=s.compile_backend, autotune=sw.autotune)
+        elif sw.compile:
             net = apply_compile(net, backend=s.compile_backend, autotune=sw.autotune)
         self.net = net
         self.flex = FlexMask(work.pack_rows, work.max_len, device) if sw.flex_attention else None
@@ -173,6 +183,8 @@ class Training:
             loss = F.mse_loss(pred, batch["y"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if after_backward is not None:
+                after_backward()
             logger.record(loss, pred, batch["y"])
             opt.step()
             logger.advance()

@@ -28,11 +28,18 @@ FLEX_BLOCK = 128  # FlexAttention's default sparse block: any kernel tiling divi
 
 
 class PackedNet(nn.Module):
-    """forward(x [R, T, F], pos [R, T], seg [R, T], last [B], count [B]) -> [B, n_outputs]."""
+    """forward(x [R, T, F], pos [R, T], seg [R, T], last [B], count [B]) -> [B, n_outputs].
 
-    def __init__(self, model: OrderBookNet) -> None:
+    `layers` are the model's blocks (dense mask), or with flex=True each wrapped in a
+    FlexBlock; either way modules of their own, so they can be compiled one by one
+    (profiling.distributed: a compiled block's backward is one autograd node, and its
+    gradients are ready, to be all-reduced, as soon as it has run)."""
+
+    def __init__(self, model: OrderBookNet, *, flex: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.flex = flex
+        self.layers = nn.ModuleList(FlexBlock(b) for b in model.blocks) if flex else model.blocks
 
     def forward(
         self,
@@ -43,22 +50,20 @@ class PackedNet(nn.Module):
         count: torch.Tensor,
         block_mask: BlockMask | None = None,
     ) -> torch.Tensor:
-        """block_mask (rung 9): FlexMask.update(seg)'s mask, so attention runs in FlexAttention."""
+        """block_mask: FlexMask.update(seg)'s mask, for a PackedNet made with flex=True."""
         m = self.model
         R, T, _ = x.shape
         B = last.shape[0]
         real = (seg < B).unsqueeze(-1)  # [R, T, 1]; seg == B marks padding
         x = torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device))
         h = m.embed(x) + m.pos(pos)  # [R, T, D]
-        if block_mask is None:
-            # block-diagonal: same window (padding positions form one block of their own, so
-            # no query row is ever fully masked)
-            allowed = seg[:, None, :, None] == seg[:, None, None, :]  # [R, 1, T, T]
-            for block in m.blocks:
-                h = block(h, allowed)
-        else:
-            for block in m.blocks:
-                h = flex_block(block, h, block_mask)
+        if self.flex:
+            mask = block_mask
+        else:  # block-diagonal: same window (padding positions form one block of their own,
+            # so no query row is ever fully masked)
+            mask = seg[:, None, :, None] == seg[:, None, None, :]  # [R, 1, T, T]
+        for layer in self.layers:
+            h = layer(h, mask)
         h = m.norm(h).reshape(R * T, -1)  # [R*T, D]
         last_h = h[last]  # [B, D]
         sums = torch.zeros(B + 1, h.shape[1], dtype=h.dtype, device=h.device)
@@ -67,8 +72,21 @@ class PackedNet(nn.Module):
         return m.head(torch.cat([last_h, mean], dim=-1))
 
 
+class FlexBlock(nn.Module):
+    """models.orderbook.Block.forward with its attention in FlexAttention (no dropout); the
+    block keeps its parameters."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        if block.drop.p:
+            raise ValueError("FlexBlock runs without dropout; the model has dropout > 0")
+        self.block = block
+
+    def forward(self, h: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+        return flex_block(self.block, h, block_mask)
+
+
 def flex_block(block: Block, h: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-    """models.orderbook.Block.forward with its attention in FlexAttention (no dropout)."""
     a = block.attn
     R, T, D = h.shape
     q, k, v = a.qkv(block.norm1(h)).view(R, T, 3, a.n_heads, D // a.n_heads).unbind(2)
@@ -135,6 +153,6 @@ class FlexMask:
         return bm
 
 
-def apply_packing(model: OrderBookNet) -> PackedNet:
+def apply_packing(model: OrderBookNet, *, flex: bool = False) -> PackedNet:
     """The forward module of the packed layout; `model` keeps owning the parameters."""
-    return PackedNet(model)
+    return PackedNet(model, flex=flex)

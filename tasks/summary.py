@@ -50,6 +50,12 @@ class ResearchSummary(BaseModel):
     train_ladder_result: dict | None = Field(
         default=None, description="The ladder result the rungs relied on (file, commit, date)."
     )
+    inference_mode: str | None = Field(
+        default=None, description="How simulate predicted: 'eager' or the rungs applied."
+    )
+    inference_samples_per_s: float | None = Field(
+        default=None, description="Windows simulate predicted per second (None when cached)."
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from quantloop.models.orderbook import OrderBookNet
 from quantloop.profiling import proof
 from quantloop.profiling.config import BF16, FP32, cpu_tiny
 from quantloop.profiling.equivalence import max_rel_dev, rel_l2
+from quantloop.profiling.inference import Predictor, inference_rungs
 from quantloop.profiling.kernels import FusedAdamW
 from quantloop.profiling.loop import model_config
 from quantloop.profiling.packing import FlexMask, PackedNet, window_blocks
@@ -171,6 +172,20 @@ def test_clock_windows_vary_in_length_and_pack(tmp_path):
     loaded = load_model(path)
     assert loaded.rungs == ("packing",) and loaded.step_ms == got.step_ms
     assert np.array_equal(predict(loaded, tables[0]), predict(got, tables[0]))
+
+
+def test_packed_bulk_prediction_is_the_eager_prediction():
+    """profiling.inference's packed path (a GPU adds bf16, compile and the graph) against
+    tasks.training.predict, over tables of other lengths with one static shape."""
+    t = np.cumsum(np.random.default_rng(0).exponential(0.1, 3000))
+    tables = [learnable_table(3000, 0).append_column("time", [t])]
+    cfg = TrainConfig(**SMALL | {"window": 64, "window_s": 1.5})
+    model = train_applied(tables, INPUTS, LABELS, cfg, plan_rungs(("packing",), CPU))
+    assert inference_rungs(model, CPU) == ()  # on a CPU simulate predicts eagerly
+    fast = Predictor(model, batch=256, rungs=("packing",))
+    for table in (tables[0], learnable_table(700, 3).append_column("time", [t[:700]])):
+        assert rel_l2(fast(table), predict(model, table)) < 1e-6
+    assert fast.stats.windows == 3700 and fast.stats.samples_per_s > 0
 
 
 def test_model_key_follows_the_rungs_applied_not_how_they_were_asked_for():
