@@ -11,6 +11,7 @@
 # installed with --no-deps into /tmp/site. Everything the runs write goes to OUT (8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+repo=$(pwd)
 stage=$1 out=$2 commit=$3
 wheels=${WHEELS:-../.whl}
 preset=${PRESET:-h200} params=${PARAMS:-bench/params/research-h200.json}  # CPU rehearsal: cpu_tiny
@@ -46,16 +47,21 @@ echo "== wheels installed at $((SECONDS - start)) s"
 home=${QHOME:-/tmp/qhome}
 # 1. the ladder flow (Prefect's ephemeral API, MLflow's SQLite store under home); rung 11
 #    (autotune) apart, at the end: its compile time is unknown
-timeout 330 python3 -m quantloop.cli ladder --preset $preset --home $home --rungs 1,2,3,4,5,6,7,8,9,10 \
+# from /tmp: the checkout's quantloop/ folder (without its package-dir mapping) must not
+# shadow the installed wheel, here or in the subprocesses (Prefect's server, Dask workers)
+params=$(realpath "$params")
+cd /tmp
+timeout 330 python3 -P -m quantloop.cli ladder --preset $preset --home $home --rungs 1,2,3,4,5,6,7,8,9,10 \
   > /tmp/ladder.log 2>&1
 echo "== ladder rc $? at $((SECONDS - start)) s"; tail -25 /tmp/ladder.log
 cp $home/ladder/ladder.json "$out/ladder-h200.json"
 cp $home/ladder/ladder.md "$out/ladder-h200.md"
 (cd $home/ladder && tar czf "$out/ladder-h200.traces.tar.gz" trace-*.json)
 # 2. the research loop on the ladder's workload shape; `auto` reads home/ladder/ladder.json
-timeout 200 python3 -m quantloop.cli run --params $params --home $home \
+timeout 200 python3 -P -m quantloop.cli run --params $params --home $home \
   --summary-json "$out/research-h200.json" > /tmp/research.log 2>&1
 echo "== research rc $? at $((SECONDS - start)) s"; tail -30 /tmp/research.log
+cd "$repo"
 grep -h "training optimizations\|trained on\|predicted" $home/logs/*.log | tail -5
 # 3. bulk inference over unseen days, eager against the fast path
 model=$(python3 -c "import json; print(json.load(open('$out/research-h200.json'))['model_url'])")
@@ -66,7 +72,7 @@ echo "== inference at $((SECONDS - start)) s"
 tar czf "$out/mlflow-h200.tar.gz" -C $home --exclude='*/trace/*' mlflow.db mlartifacts
 # 4. rung 11 in the time left (bench/ladder.py: rung 1 again as its reference)
 left=$((560 - (SECONDS - start)))
-if [ $left -gt 120 ]; then
+if [ $left -gt 120 ] && [ -z "${SKIP_AUTOTUNE:-}" ]; then
   timeout $left python3 bench/ladder.py --out /tmp/autotune --work /tmp/autotune-work \
     --preset $preset --rungs 1,11 --controls fp32 --commit "$commit" --name ladder-h200-autotune \
     > /tmp/autotune.log 2>&1
