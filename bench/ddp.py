@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--preset", default="auto")
     ap.add_argument("--commit", default="")
     ap.add_argument("--switches", default="", help="comma-separated (default: the top rung's)")
+    ap.add_argument("--name", default="", help="file stem (default: ladder-h200x<N>)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -282,7 +283,7 @@ def main() -> None:
             "rows": [row.to_dict()],
             "wall_s": time.perf_counter() - t0,
         }
-        name = f"ladder-h200x{world}" if cuda else f"ladder-cpux{world}"
+        name = args.name or (f"ladder-h200x{world}" if cuda else f"ladder-cpux{world}")
         (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
         with tarfile.open(out / f"{name}.trace.tar.gz", "w:gz") as tar:
             tar.add(trace, arcname=os.path.basename(trace))

@@ -24,6 +24,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 
+if [ "$stage" = ddp-nograph ]; then  # the same without the whole-step CUDA graph
+  sw=compile,bf16,device_metrics,fused_kernel,streams,packing,flex_attention
+  for n in 1 2; do
+    python3 -m torch.distributed.run --standalone --nproc-per-node $n bench/ddp.py --out "$out" \
+      --commit "$commit" --work /tmp/ddp-nograph --switches $sw --name ladder-h200x2-nograph
+  done 2>&1 | grep -v Warn | tee "$out/ddp-nograph.log" | tail -4
+  exit 0
+fi
 if [ "$stage" = ddp ]; then
   # first, on GPU 0: the research run's training outside the flow (bench/train_alone.py)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
