@@ -33,12 +33,14 @@ if [ "$stage" = ddp-nograph ]; then  # the same without the whole-step CUDA grap
   exit 0
 fi
 if [ "$stage" = ddp ]; then
+  if [ -z "${SKIP_ALONE:-}" ]; then
   # first, on GPU 0: the research run's training outside the flow (bench/train_alone.py)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl && \
     PYTHONPATH=/tmp/site CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_alone.py \
       --params bench/params/research-h200.json --out "$out" 2>&1 | grep -v Warning | tail -8
   echo "== train_alone at $((SECONDS - start)) s"
+  fi
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   run() { python3 -m torch.distributed.run --standalone --nproc-per-node "$1" bench/ddp.py \
             --out "$out" --commit "$commit" "${@:2}"; }
