@@ -254,10 +254,10 @@ def test_the_report_renders_the_h200_run_as_it_was_published():
     published = (H200_RESULT.parent / "ladder-h200.md").read_text()
     rung_table, controls_table = markdown_tables(report)
     assert [rung_table, controls_table] == markdown_tables(published)
-    assert rung_table.count("\n") == 2 + 8 - 1 and "| 8. no_padding | 136,890 |" in rung_table
+    assert rung_table.count("\n") == 2 + 10 - 1 and "| 10. flat_grads | 152,842 |" in rung_table
     assert report.startswith("# GPU optimization ladder on NVIDIA H200\n\ntorch 2.11.0+cu130, ")
-    assert "commit `6640468+uncommitted-profiling`" in report
-    assert "Measured ceilings: bf16 matmul 788 TFLOP/s, device copy 4244 GB/s." in report
+    assert "commit `d83b956`" in report
+    assert "Measured ceilings: bf16 matmul 781 TFLOP/s, device copy 4221 GB/s." in report
 
 
 @pytest.mark.slow
