@@ -74,10 +74,10 @@ class GradBuckets:
             self.views.append(opt.grad[lo:hi])
         self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
         # On a GPU the collectives run inside a stream of our own, joined back only in
-        # finish(): launched with async_op=True from the compute stream and captured in the
-        # whole-step graph, c10d's collective made the compute stream wait for each bucket
-        # (H200 trace, ladder-h200x2-asyncop.json: the next backward kernel started ~12-16 us
-        # after each all-reduce kernel, 8.5% of all-reduce time overlapped).
+        # finish(). Measured on two H200s (docs/ladder.md, "Two GPUs"): with async_op from
+        # the compute stream 8.5% of all-reduce time overlapped compute, with this stream
+        # 2.4%; in both the next backward kernel starts only after each bucket's all-reduce
+        # kernel ends, for a reason not yet established. Kept: one explicit join.
         self.stream = torch.cuda.Stream(opt.grad.device) if opt.grad.is_cuda else None
         self.hooks = [
             p.register_post_accumulate_grad_hook(self._ready(i)) for i, p in enumerate(params)
