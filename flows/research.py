@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from quantloop.flows.features import features as features_flow
 from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
+from quantloop.profiling.proof import plan_rungs
 from quantloop.tasks import progress, storage, tracking
 from quantloop.tasks.engine import sha256_json
 from quantloop.tasks.features import FeatureParams
@@ -31,7 +32,7 @@ from quantloop.tasks.simulation import SimConfig
 from quantloop.tasks.stage import StageParams
 from quantloop.tasks.summary import ResearchSummary, markout_table
 from quantloop.tasks.synthetic import SyntheticConfig
-from quantloop.tasks.training import TrainConfig
+from quantloop.tasks.training import TrainConfig, resolve_device
 from quantloop.tasks.workspace import Selection, Workspace
 
 # The dates a run may name: wide enough for any market data, narrow enough to catch a
@@ -122,6 +123,8 @@ class ResearchParams(BaseModel):
             for day in days:
                 rows[day.product] = max(rows.get(day.product, 0), day.table.num_rows)
         product_params(self.features, self.product_features, sorted(rows))
+        # an explicit list of optimizations that lacks a switch it requires fails here
+        plan_rungs(self.train.optimizations, resolve_device(self.train.device))
         horizon = max(self.features.label_horizons)
         short = sorted(p for p, n in rows.items() if n <= horizon)
         if short:
@@ -273,7 +276,7 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
                 "nodes": feats.nodes,
                 "cache_hits": feats.cache_hits,
                 "computed": feats.computed,
-                "train_samples_per_s": trained.samples_per_s,
+                "train_samples_per_s": trained.steady_samples_per_s or trained.samples_per_s,
                 "trades": sim.trades,
                 **{f"markout_bps.{h}": v for h, v in sim.markout_bps.items()},
                 **{f"baseline_markout_bps.{h}": v for h, v in sim.baseline_markout_bps.items()},
@@ -315,6 +318,11 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
         tracking_uri=tracking_block.resolved_uri(),
         prefect_flow_run_id=tags["prefect_flow_run_id"],
         wall_s=time.perf_counter() - t0,
+        train_rungs=trained.rungs,
+        train_samples_per_s=trained.steady_samples_per_s or trained.samples_per_s,
+        train_ladder_result=trained.ladder_result,
+        inference_mode=sim.inference_mode,
+        inference_samples_per_s=sim.inference_samples_per_s,
     )
     links = {
         name: mlflow_link(summary.tracking_uri, experiment, rid)

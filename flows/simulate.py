@@ -10,6 +10,7 @@ import pyarrow.compute as pc
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
+from quantloop.profiling import inference
 from quantloop.tasks import plots, progress, simulation, storage, tracking, training
 from quantloop.tasks.engine import code_fingerprint
 from quantloop.tasks.schema import Partition
@@ -33,7 +34,7 @@ from quantloop.tasks.stage import (
     keyed_output,
     output_key,
 )
-from quantloop.tasks.training import TrainResult, load_model, predict
+from quantloop.tasks.training import load_model
 
 
 class SimSummary(BaseModel):
@@ -48,6 +49,8 @@ class SimSummary(BaseModel):
     baseline_trades: int
     cache_hit: bool = False
     mlflow_run_id: str | None = None
+    inference_mode: str | None = None  # "eager", or the rungs the fast path applied
+    inference_samples_per_s: float | None = None  # windows predicted per second (not cached)
 
 
 @flow(name="simulate")
@@ -60,19 +63,22 @@ def simulate(
     """Replay the held-out part of every selected partition with the model and the baseline."""
     logger = get_run_logger()
     outputs = feature_outputs(stage)
+    model = load_model(model_url, device=str(training.resolve_device("auto")))
+    predictor = inference.Predictor(model)
     key = output_key(
         "simulation",
-        code=code_fingerprint(simulation, training, replay_all, _stack, _split),
+        code=code_fingerprint(simulation, training, inference, replay_all, _stack, _split),
         config=asdict(config),
         model=model_url.rsplit("/", 1)[-1],
         features=sorted(o.key for o in outputs.values()),
         holdout_fraction=stage.holdout_fraction,
+        # the fast path's predictions differ from the eager ones by its arithmetic (bf16)
+        inference=predictor.stats.mode,
     )
-    model = load_model(model_url)
     sim = keyed_output(
         stage.workspace.resolve_site().root, "simulation", key, ".parquet",
         load=lambda url: _split(storage.read_parquet(url)),
-        compute=lambda: replay_all(model, outputs, config, stage.holdout_fraction),
+        compute=lambda: replay_all(predictor, outputs, config, stage.holdout_fraction),
         save=lambda url, merged: storage.write_parquet_atomic(url, _stack(merged)),
     )  # fmt: skip
     merged = sim.value
@@ -90,7 +96,15 @@ def simulate(
         trades=model_summary["total"]["count"],
         baseline_trades=base_summary["total"]["count"],
         cache_hit=sim.cache_hit,
+        inference_mode=predictor.stats.mode,
+        inference_samples_per_s=None if sim.cache_hit else predictor.stats.samples_per_s,
     )
+    if not sim.cache_hit:
+        logger.info(
+            "predicted %d windows in %.2f s (%s): %.0f windows/s, warm-up %.1f s",
+            predictor.stats.windows, predictor.stats.seconds, predictor.stats.mode,
+            predictor.stats.samples_per_s, predictor.stats.warmup_s,
+        )  # fmt: skip
     logger.info("model mark-out (bps): %s", _fmt(result.markout_bps))
     logger.info("baseline mark-out (bps): %s", _fmt(result.baseline_markout_bps))
     progress.note(
@@ -103,7 +117,15 @@ def simulate(
         client, experiment = tracking.client_for(stage.workspace.resolve_tracking())
         with tracking.run(client, experiment, "simulate", parent=parent_run_id) as run:
             run.params({f"sim.{k}": v for k, v in asdict(config).items()})
-            run.params({"model_url": model_url, "model_digest": model.model_digest})
+            run.params({"model_url": model_url, "model_digest": model.model_digest,
+                        "inference_mode": predictor.stats.mode})  # fmt: skip
+            if not sim.cache_hit:
+                run.metrics({
+                    "inference_samples_per_s": predictor.stats.samples_per_s,
+                    "inference_s": predictor.stats.seconds,
+                    "inference_warmup_s": predictor.stats.warmup_s,
+                    "inference_windows": predictor.stats.windows,
+                })  # fmt: skip
             for name, summary in (("model", model_summary), ("baseline", base_summary)):
                 for product, stats in summary.items():
                     prefix = f"{name}.{product}"
@@ -138,12 +160,14 @@ def simulate(
 
 
 def replay_all(
-    model: TrainResult,
+    predictor: inference.Predictor,
     outputs: dict[Partition, FeatureOutput],
     config: SimConfig,
     holdout_fraction: float,
 ) -> dict[str, dict[str, pa.Table]]:
-    """Mark-outs by signal ("model", "baseline") and product, over the held-out data."""
+    """Mark-outs by signal ("model", "baseline") and product, over the held-out data; the
+    model's predictions come from `predictor` (profiling.inference: the fast path on a GPU
+    for a model trained with packing, tasks.training.predict otherwise)."""
     tables = {p: o.read() for p, o in outputs.items()}
     train_parts, test_parts = split_train_test(tables, holdout_fraction)
     marks: dict[str, dict[str, list[pa.Table]]] = {"model": {}, "baseline": {}}
@@ -151,7 +175,7 @@ def replay_all(
         train_tables = [t for p, t in train_parts.items() if p.product == product]
         test = [(p, t) for p, t in sorted(test_parts.items()) if p.product == product]
         signals = {
-            "model": lambda t: signal_column(predict(model, t), config),
+            "model": lambda t: signal_column(predictor(t), config),
             "baseline": baseline_signal,
         }
         for name, signal_of in signals.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from dataclasses import asdict
 
 from mlflow.entities.model_registry import ModelVersion
@@ -11,6 +12,8 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from quantloop.models import orderbook
+from quantloop.profiling import trainer
+from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.tasks import plots, progress, registry, storage, tracking, training
 from quantloop.tasks.engine import code_fingerprint, sha256_json
 from quantloop.tasks.features import feature_set
@@ -33,7 +36,6 @@ from quantloop.tasks.training import (
     resolve_device,
     save_model,
 )
-from quantloop.tasks.training import train as fit
 
 
 class TrainSummary(BaseModel):
@@ -49,18 +51,47 @@ class TrainSummary(BaseModel):
     mlflow_run_id: str | None = None
     registered_model: str | None = None  # the MLflow registered model and its version
     model_version: str | None = None
+    rungs: list[str] = []  # the ladder's optimizations applied ([]: the plain loop)
+    steady_samples_per_s: float | None = None  # after the warm-up (compile, capture)
+    step_ms: float | None = None
+    warmup_s: float | None = None
+    gpu_util: float | None = None
+    peak_mem_gb: float | None = None
+    ladder_result: dict | None = None  # the ladder result the rungs relied on
 
 
-def model_key(config: TrainConfig, feature_keys: list[str], holdout_fraction: float) -> str:
-    """What decides the weights: training code, config, device type, features, the split."""
+def model_key(
+    config: TrainConfig,
+    feature_keys: list[str],
+    holdout_fraction: float,
+    rungs: tuple[str, ...] = (),
+) -> str:
+    """What decides the weights: training code, config, device type, features, the split,
+    and the rungs applied (not how they were asked for: "auto" and the same list named
+    explicitly train the same model)."""
+    code = code_fingerprint(training, orderbook)
+    if rungs:
+        code += code_fingerprint(*trainer.RUNG_CODE)
+    config_values = {k: v for k, v in asdict(config).items() if k != "optimizations"}
     return output_key(
         "model",
-        code=code_fingerprint(training, orderbook),
-        config=asdict(config),
+        code=code,
+        config=config_values,
         device=resolve_device(config.device).type,
         features=sorted(feature_keys),
         holdout_fraction=holdout_fraction,
+        rungs=list(rungs),
     )
+
+
+def ladder_results(stage: StageParams) -> list[str]:
+    """The workspace's own ladder result, if `quantloop ladder` ran there (flows/ladder.py
+    writes it): `auto` weighs it with the committed ones."""
+    return [os.path.join(stage.workspace.home_abs, "ladder", "ladder.json")]
+
+
+def plan_for(stage: StageParams, config: TrainConfig) -> Plan:
+    return plan_rungs(config.optimizations, resolve_device(config.device), ladder_results(stage))
 
 
 @flow(name="train")
@@ -73,13 +104,17 @@ def train(
     logger = get_run_logger()
     outputs = feature_outputs(stage)
     site = stage.workspace.resolve_site()
-    key = model_key(config, [o.key for o in outputs.values()], stage.holdout_fraction)
+    plan = plan_for(stage, config)
+    key = model_key(config, [o.key for o in outputs.values()], stage.holdout_fraction, plan.rungs)
+    logger.info("training optimizations: %s", plan.record())
 
     def fit_now() -> TrainResult:
         tables = {p: o.read() for p, o in outputs.items()}
         train_parts, _ = split_train_test(tables, stage.holdout_fraction)
         layout = feature_set(stage.features)
-        return fit(list(train_parts.values()), layout.inputs, layout.labels, config)
+        return trainer.train_applied(
+            list(train_parts.values()), layout.inputs, layout.labels, config, plan
+        )
 
     # load checks the weights against their stored digest
     model = keyed_output(site.root, "model", key, ".pt", load=load_model, compute=fit_now,
@@ -89,16 +124,19 @@ def train(
         message = f"model {key[:12]} is cached (weights {result.model_digest[:12]}): not retrained"
     else:
         record_lineage(site.root, key, result.model_digest, outputs, config, stage.holdout_fraction)
+        steady = result.steady_samples_per_s
         message = (
             f"trained on {result.samples:,} windows ({result.samples_seen:,} seen) in "
-            f"{result.duration_s:.1f} s on {result.device}: {result.samples_per_s:,.0f} samples/s, "
-            f"final loss {result.loss_curve[-1]:.4f}"
+            f"{result.duration_s:.1f} s on {result.device}: {result.samples_per_s:,.0f} samples/s"
+            + (f" ({steady:,.0f} after a {result.warmup_s:.1f} s warm-up)" if steady else "")
+            + f", final loss {result.loss_curve[-1]:.4f}; "
+            + f"optimizations: {', '.join(result.rungs) or 'none'}"
         )
     logger.info(message)
     progress.note("train", message)
     run_id = version = None
     if parent_run_id is not None:
-        run_id, version = _record(stage, parent_run_id, config, outputs, model, site.name)
+        run_id, version = _record(stage, parent_run_id, config, outputs, model, site.name, plan)
     return TrainSummary(
         model_url=model.url,
         model_key=key,
@@ -112,6 +150,13 @@ def train(
         mlflow_run_id=run_id,
         registered_model=version.name if version else None,
         model_version=str(version.version) if version else None,
+        rungs=list(result.rungs),
+        steady_samples_per_s=result.steady_samples_per_s,
+        step_ms=result.step_ms,
+        warmup_s=result.warmup_s,
+        gpu_util=result.gpu_util,
+        peak_mem_gb=result.peak_mem_gb,
+        ladder_result=result.ladder_result,
     )
 
 
@@ -144,9 +189,13 @@ def _record(
     outputs: dict[Partition, FeatureOutput],
     model: Keyed[TrainResult],
     site: str,
+    plan: Plan,
 ) -> tuple[str, ModelVersion]:
     """The "train" MLflow child run, and the model as a version in the Model Registry
-    (the version of a cached model is found by its key, not registered again)."""
+    (the version of a cached model is found by its key, not registered again).
+
+    The rungs applied and the ladder result they relied on (file, commit, date) are the
+    model's (a cached model keeps those it was trained with); the plan is this run's."""
     result = model.value
     tracking_block = stage.workspace.resolve_tracking()
     client, experiment = tracking.client_for(tracking_block)
@@ -162,6 +211,9 @@ def _record(
     }  # fmt: skip
     with tracking.run(client, experiment, "train", parent=parent_run_id) as run:
         run.params({f"train.{k}": v for k, v in asdict(config).items()})
+        run.params({f"plan.{k}": v for k, v in plan.record().items()})
+        proof = result.ladder_result or {}
+        run.params({f"ladder.{k}": v for k, v in proof.items()})
         run.params(
             {
                 "features_hash": sha256_json(stage.features.canonical()),
@@ -169,7 +221,15 @@ def _record(
                 "partitions": len(outputs),
             }
         )
-        run.tags({"model_key": model.key, "site": site, "cache_hit": model.cache_hit, **digests})
+        run.tags({"model_key": model.key, "site": site, "cache_hit": model.cache_hit,
+                  "rungs": ",".join(result.rungs) or "none", **digests})  # fmt: skip
+        measured = {
+            "steady_samples_per_s": result.steady_samples_per_s,
+            "step_ms": result.step_ms,
+            "warmup_s": result.warmup_s,
+            "gpu_util": result.gpu_util,
+            "peak_mem_gb": result.peak_mem_gb,
+        }
         run.metrics(
             {
                 "samples": result.samples,
@@ -177,6 +237,8 @@ def _record(
                 "duration_s": result.duration_s,
                 "final_loss": result.loss_curve[-1],
                 "cache_hit": float(model.cache_hit),
+                "rungs_applied": float(len(result.rungs)),
+                **{k: v for k, v in measured.items() if v is not None},
             }
         )
         steps = [(i + 1) * config.log_every for i in range(len(result.loss_curve))]
@@ -187,7 +249,9 @@ def _record(
             client, tracking_block.resolved_uri(), experiment, run.run_id, result,
             outputs[min(outputs)].read(), name=tracking_block.registered_model,
             model_key=model.key, tags={**digests, "train_run_id": run.run_id,
-                                       "train_config": json.dumps(asdict(config))},
+                                       "train_config": json.dumps(asdict(config)),
+                                       "rungs": ",".join(result.rungs) or "none",
+                                       "ladder_result": json.dumps(result.ladder_result)},
         )  # fmt: skip
         run.tags({"registered_model": version.name, "model_version": version.version})
         run.dataset(name=stage.selection.dataset, digest=digests["data_digest"],

@@ -105,8 +105,14 @@ class FusedAdamW:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         use_triton: bool | None = None,
+        handoff: bool = False,
     ) -> None:
+        """handoff (rung 10, flat_grads): backward hands each gradient over as a fresh tensor
+        (zero_grad sets p.grad to None) and step() copies them into the flat buffer with one
+        multi-tensor copy, instead of backward accumulating into views of the flat buffer
+        (one add kernel per parameter, after a memset)."""
         params = list(model.parameters())
+        self.params, self.handoff = params, handoff
         device = params[0].device
         self.use_triton = (
             (device.type == "cuda" and triton is not None) if use_triton is None else use_triton
@@ -121,11 +127,13 @@ class FusedAdamW:
         self.exp_avg = torch.zeros(total, device=device)
         self.exp_avg_sq = torch.zeros(total, device=device)
         offset = 0
+        self.grad_views: list[torch.Tensor] = []
         for p, span in zip(params, spans, strict=True):
             n = p.numel()
             self.param[offset : offset + n].copy_(p.detach().reshape(-1))
             p.data = self.param[offset : offset + n].view_as(p)
-            p.grad = self.grad[offset : offset + n].view_as(p)  # backward accumulates in place
+            self.grad_views.append(self.grad[offset : offset + n].view_as(p))
+            p.grad = self.grad_views[-1]  # backward accumulates in place (without handoff)
             offset += span
         self.chunk_owner = np.repeat(np.arange(len(params)), np.asarray(spans) // CHUNK)
         self.n_chunks = total // CHUNK
@@ -141,9 +149,17 @@ class FusedAdamW:
         self._ring, self._slot, self._col0 = ring, slot, col0
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        self.grad.zero_()  # one memset; the views stay the parameters' .grad
+        if self.handoff:
+            for p in self.params:
+                p.grad = None  # AccumulateGrad then keeps backward's tensor: no add kernel
+        else:
+            self.grad.zero_()  # one memset; the views stay the parameters' .grad
 
     def step(self) -> torch.Tensor | None:
+        if self.handoff:
+            # a parameter backward did not reach has no gradient: zero, as accumulation gives
+            grads = [g if (g := p.grad) is not None else torch.zeros_like(p) for p in self.params]
+            torch._foreach_copy_(self.grad_views, grads)
         self.step_count.add_(1)
         beta1, beta2 = self.betas
         coef = bias_correction(self.step_count, lr=self.lr, betas=self.betas)

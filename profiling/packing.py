@@ -9,22 +9,37 @@ this is the same function of the same parameters: only float summation order cha
 
 The module reuses the model's own layers: no weights are copied, the optimizer and the
 state dict are the model's, and predict() still runs the padded model.
+
+Rung 9 (flex_attention) keeps the packing and changes only how attention is computed: one
+FlexAttention kernel per layer and direction with a block mask built from the packing
+(FlexMask), instead of SDPA with a dense [R, 1, T, T] boolean mask: blocks of the row that
+no window spans are skipped, and no mask is read from memory.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from quantloop.models.orderbook import OrderBookNet
+from quantloop.models.orderbook import Block, OrderBookNet
+
+FLEX_BLOCK = 128  # FlexAttention's default sparse block: any kernel tiling divides it
 
 
 class PackedNet(nn.Module):
-    """forward(x [R, T, F], pos [R, T], seg [R, T], last [B], count [B]) -> [B, n_outputs]."""
+    """forward(x [R, T, F], pos [R, T], seg [R, T], last [B], count [B]) -> [B, n_outputs].
 
-    def __init__(self, model: OrderBookNet) -> None:
+    `layers` are the model's blocks (dense mask), or with flex=True each wrapped in a
+    FlexBlock; either way modules of their own, so they can be compiled one by one
+    (profiling.distributed: a compiled block's backward is one autograd node, and its
+    gradients are ready, to be all-reduced, as soon as it has run)."""
+
+    def __init__(self, model: OrderBookNet, *, flex: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.flex = flex
+        self.layers = nn.ModuleList(FlexBlock(b) for b in model.blocks) if flex else model.blocks
 
     def forward(
         self,
@@ -33,18 +48,22 @@ class PackedNet(nn.Module):
         seg: torch.Tensor,
         last: torch.Tensor,
         count: torch.Tensor,
+        block_mask: BlockMask | None = None,
     ) -> torch.Tensor:
+        """block_mask: FlexMask.update(seg)'s mask, for a PackedNet made with flex=True."""
         m = self.model
         R, T, _ = x.shape
         B = last.shape[0]
         real = (seg < B).unsqueeze(-1)  # [R, T, 1]; seg == B marks padding
         x = torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device))
         h = m.embed(x) + m.pos(pos)  # [R, T, D]
-        # block-diagonal: same window (padding positions form one block of their own, so no
-        # query row is ever fully masked)
-        allowed = seg[:, None, :, None] == seg[:, None, None, :]  # [R, 1, T, T]
-        for block in m.blocks:
-            h = block(h, allowed)
+        if self.flex:
+            mask = block_mask
+        else:  # block-diagonal: same window (padding positions form one block of their own,
+            # so no query row is ever fully masked)
+            mask = seg[:, None, :, None] == seg[:, None, None, :]  # [R, 1, T, T]
+        for layer in self.layers:
+            h = layer(h, mask)
         h = m.norm(h).reshape(R * T, -1)  # [R*T, D]
         last_h = h[last]  # [B, D]
         sums = torch.zeros(B + 1, h.shape[1], dtype=h.dtype, device=h.device)
@@ -53,6 +72,87 @@ class PackedNet(nn.Module):
         return m.head(torch.cat([last_h, mean], dim=-1))
 
 
-def apply_packing(model: OrderBookNet) -> PackedNet:
+class FlexBlock(nn.Module):
+    """models.orderbook.Block.forward with its attention in FlexAttention (no dropout); the
+    block keeps its parameters."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        if block.drop.p:
+            raise ValueError("FlexBlock runs without dropout; the model has dropout > 0")
+        self.block = block
+
+    def forward(self, h: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+        return flex_block(self.block, h, block_mask)
+
+
+def flex_block(block: Block, h: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    a = block.attn
+    R, T, D = h.shape
+    q, k, v = a.qkv(block.norm1(h)).view(R, T, 3, a.n_heads, D // a.n_heads).unbind(2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [R, H, T, Dh]
+    y = flex_attention(q, k, v, block_mask=block_mask)
+    h = h + a.proj(y.transpose(1, 2).reshape(R, T, D))
+    return h + block.mlp(block.norm2(h))
+
+
+def window_blocks(seg: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which key blocks each query block of a packed row needs: kv_num [R, 1, n] and
+    kv_indices [R, 1, n, n] (int32) for n = T / block blocks.
+
+    Windows are contiguous runs of one seg value (padding, the tail, is one run too), so
+    the keys a query block needs run from the start of the window of its first position to
+    the end of the window of its last one: one contiguous range of key blocks.
+    """
+    R, T = seg.shape
+    n = T // block
+    pos = torch.arange(T, device=seg.device).expand(R, T)
+    change = seg[:, 1:] != seg[:, :-1]  # [R, T-1]
+    edge = torch.ones(R, 1, dtype=torch.bool, device=seg.device)
+    w_start = torch.where(torch.cat([edge, change], 1), pos, 0).cummax(1).values
+    w_end = torch.where(torch.cat([change, edge], 1), pos, T - 1).flip(1).cummin(1).values.flip(1)
+    lo = w_start[:, ::block] // block  # [R, n]
+    hi = w_end[:, block - 1 :: block] // block
+    num = (hi - lo + 1).to(torch.int32).unsqueeze(1)
+    idx = (lo.unsqueeze(-1) + torch.arange(n, device=seg.device)).clamp(max=n - 1)
+    return num, idx.to(torch.int32).unsqueeze(1)
+
+
+class FlexMask:
+    """The block mask of one packed shape, updated in place each step.
+
+    The BlockMask object and its tensors are made once: a compiled forward that takes it
+    sees the same object every step (no recompile), and update() is a few small tensor ops
+    with no host sync, so a CUDA graph can capture it. The mask is symmetric (same window),
+    so the query-side block lists equal the key-side ones.
+    """
+
+    def __init__(self, rows: int, T: int, device: torch.device, block: int = FLEX_BLOCK) -> None:
+        self.block = min(block, T)
+        if T % self.block:
+            raise ValueError(f"max_len {T} must be a multiple of the flex block {self.block}")
+        self.seg = torch.zeros(rows, T, dtype=torch.long, device=device)
+        num, idx = window_blocks(self.seg, self.block)
+        seg = self.seg  # the mask reads this buffer, refilled by update()
+
+        def same_window(b, h, q_idx, kv_idx):
+            return seg[b, q_idx] == seg[b, kv_idx]
+
+        self.block_mask = BlockMask.from_kv_blocks(
+            num, idx, BLOCK_SIZE=self.block, mask_mod=same_window, seq_lengths=(T, T)
+        )
+
+    def update(self, seg: torch.Tensor) -> BlockMask:
+        self.seg.copy_(seg)
+        num, idx = window_blocks(seg, self.block)
+        bm = self.block_mask
+        for dst in (bm.kv_num_blocks, bm.q_num_blocks):
+            dst.copy_(num)
+        for dst in (bm.kv_indices, bm.q_indices):
+            dst.copy_(idx)
+        return bm
+
+
+def apply_packing(model: OrderBookNet, *, flex: bool = False) -> PackedNet:
     """The forward module of the packed layout; `model` keeps owning the parameters."""
-    return PackedNet(model)
+    return PackedNet(model, flex=flex)

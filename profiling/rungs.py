@@ -21,6 +21,7 @@ class Rung:
     switch: str  # the Switches field this rung turns on ("" for the baseline)
     cuda_only: str  # why a CPU cannot run it ("" = runs anywhere)
     predicted: str  # the gain expected before measuring, and why
+    requires: tuple[str, ...] = ()  # switches this one cannot run without
 
 
 RUNGS: tuple[Rung, ...] = (
@@ -61,6 +62,7 @@ RUNGS: tuple[Rung, ...] = (
         name="fused_kernel",
         switch="fused_kernel",
         cuda_only="the fused AdamW + norm kernel is Triton, which needs a CUDA GPU",
+        requires=("device_metrics",),  # the kernel writes the gradient norms into the ring
         predicted="1.05x: one pass over 0.8M parameters instead of ~15 foreach kernels "
         "and a norm pass; small next to the model",
     ),
@@ -77,6 +79,8 @@ RUNGS: tuple[Rung, ...] = (
         name="cuda_graph",
         switch="cudagraph",
         cuda_only="CUDA graphs need a CUDA GPU",
+        # no host sync in the step, a capturable optimizer, a static flat input buffer
+        requires=("device_metrics", "fused_kernel", "streams"),
         predicted="1.3x: ~400 kernel launches per step become one replay; matters once the "
         "GPU step is a few ms",
     ),
@@ -87,6 +91,41 @@ RUNGS: tuple[Rung, ...] = (
         cuda_only="",
         predicted="2.7x: 74 packed rows instead of 256 padded windows (3.5x fewer positions "
         "and attention FLOPs), less the packing slack",
+    ),
+    # Rungs 9-11 were predicted from rung 8's H200 trace (bench/results/ladder-h200.traces):
+    # 1.70 ms of kernels per step in 326 kernels; cuDNN's masked flash attention 0.49 ms
+    # (29%), matmuls 0.88 ms, Inductor's Triton kernels 0.64 ms, 55 gradient-accumulation
+    # adds 0.08 ms; the GPU idle 14% of the step between the graph's kernels.
+    Rung(
+        number=9,
+        name="flex_attention",
+        switch="flex_attention",
+        cuda_only="FlexAttention has no backward on a CPU (torch raises NotImplementedError)",
+        requires=("packing",),
+        predicted="1.08x: FlexAttention with a block mask computed from the packing plan "
+        "replaces the dense [R, 1, T, T] mask; of the 2x2 128-blocks of a 256-event row "
+        "~20% are skipped (no window spans them) and the mask is no longer read: attention "
+        "0.49 -> ~0.36 ms of 1.87",
+    ),
+    Rung(
+        number=10,
+        name="flat_grads",
+        switch="flat_grads",
+        cuda_only="",
+        requires=("fused_kernel",),
+        predicted="1.06x: gradients are handed over (p.grad = None before backward) and "
+        "copied into the fused optimizer's flat buffer by one multi-tensor copy, instead of "
+        "55 accumulate-add kernels and a memset: ~0.08 ms of kernels and ~55 launch gaps",
+    ),
+    Rung(
+        number=11,
+        name="autotune",
+        switch="autotune",
+        cuda_only="Inductor's max-autotune GEMM templates are Triton kernels: CUDA only",
+        requires=("compile",),
+        predicted="1.1x: Inductor's max-autotune picks Triton GEMM templates for these small "
+        "K=128 shapes and fuses bias/GELU/residual epilogues into them (fewer, larger "
+        "kernels); cuBLAS's split-K reductions (16 per step) go; compile time grows",
     ),
 )
 
@@ -102,6 +141,9 @@ class Switches:
     streams: bool = False
     cudagraph: bool = False
     packing: bool = False
+    flex_attention: bool = False
+    flat_grads: bool = False
+    autotune: bool = False
 
     @classmethod
     def upto(cls, number: int, available: set[str]) -> Switches:
@@ -109,11 +151,51 @@ class Switches:
         on = {r.switch for r in RUNGS if r.number <= number and r.switch in available}
         return cls(**{f.name: f.name in on for f in fields(cls)})
 
+    @classmethod
+    def of(cls, names: tuple[str, ...] | list[str]) -> Switches:
+        """The named switches on (Rung.switch names), the others off."""
+        unknown = set(names) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown switches {sorted(unknown)}")
+        return cls(**{f.name: f.name in names for f in fields(cls)})
 
-def skip_reason(rung: Rung, device: torch.device) -> str | None:
-    """Why this machine cannot run `rung` (the row's `skipped` text), or None."""
+    def names(self) -> tuple[str, ...]:
+        """The switches on, in rung order."""
+        return tuple(r.switch for r in RUNGS if r.switch and getattr(self, r.switch))
+
+
+BY_SWITCH = {r.switch: r for r in RUNGS if r.switch}
+
+
+def missing_requirements(names: tuple[str, ...] | list[str] | set[str]) -> dict[str, list[str]]:
+    """{switch: the switches it requires that are not in `names`}, for those lacking any."""
+    return {
+        n: missing
+        for n in names
+        if (missing := [r for r in BY_SWITCH[n].requires if r not in names])
+    }
+
+
+def skip_reason(rung: Rung, device: torch.device, available: set[str] | None = None) -> str | None:
+    """Why this machine cannot run `rung` (the row's `skipped` text), or None. With
+    `available` (the switches that can run here), a rung whose requirements cannot is
+    skipped too."""
     if rung.cuda_only and device.type != "cuda":
         return f"skipped: no CUDA device ({rung.cuda_only})"
     if rung.switch == "fused_kernel" and kernels.triton is None:
         return "skipped: triton is not installed"
+    if available is not None:
+        lacking = [r for r in rung.requires if r not in available]
+        if lacking:
+            return f"skipped: needs {', '.join(lacking)}, which cannot run here"
     return None
+
+
+def runnable(device: torch.device) -> set[str]:
+    """The switches this machine can run, requirements included (in rung order, so a
+    rung's requirements are decided before it)."""
+    available: set[str] = set()
+    for r in RUNGS:
+        if r.switch and skip_reason(r, device, available) is None:
+            available.add(r.switch)
+    return available

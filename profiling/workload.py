@@ -25,7 +25,7 @@ from quantloop.profiling.config import LadderConfig
 from quantloop.tasks import storage
 from quantloop.tasks.features import FeatureParams, compute_features, feature_set
 from quantloop.tasks.synthetic import SyntheticConfig, generate_day
-from quantloop.tasks.training import Normalizer, column_matrix
+from quantloop.tasks.training import Normalizer, clock_window_starts, column_matrix
 
 START_DATE = dt.date(2026, 3, 2)
 STORE_PATH = "{root}/features-{key}/product={product}/date={date}.parquet"
@@ -82,13 +82,6 @@ def label_matrix(table: pa.Table, cfg: LadderConfig) -> np.ndarray:
     return column_matrix(table, label_names(cfg))
 
 
-def clock_window_starts(time: np.ndarray, window_s: float, max_len: int) -> np.ndarray:
-    """First row of each row's window: events with time in (t - window_s, t], <= max_len."""
-    rows = np.arange(len(time))
-    start = np.searchsorted(time, time - window_s, side="right")
-    return np.maximum(start, rows - (max_len - 1)).astype(np.int64)
-
-
 # ---------------------------------------------------------------- the dataset
 
 
@@ -108,17 +101,15 @@ class Windows:
 
 
 @dataclass(kw_only=True, slots=True)
-class Workload:
+class TrainingSet:
+    """What the batch makers read: the feature matrix, the windows, their labels, the
+    order of every step's batch and its packing plan. The ladder's Workload is one; a
+    research run's prepared data makes another (profiling.trainer)."""
+
     features: np.ndarray  # [rows + 1, F] float32 standardized; last row zeros (padding)
     train: Windows  # training windows
     labels: np.ndarray  # [N, L] float32 standardized labels of the training windows
     order: np.ndarray  # [steps, B] training window per step and slot (fixed by the seed)
-    test: Windows  # one window per event of the held-out day
-    test_table: pa.Table  # the held-out day's feature table (for the replay simulation)
-    threshold: Windows  # a subsample of training events: the trade threshold's quantile
-    normalizer: Normalizer
-    label_names: list[str]
-    test_labels: np.ndarray  # [test rows, L] the held-out day's labels, own units (NaN: none)
     max_len: int
     pack_row: np.ndarray  # [steps, B] row of each window when the step's batch is packed
     pack_off: np.ndarray  # [steps, B] its first position in that row
@@ -131,6 +122,48 @@ class Workload:
     @property
     def n_features(self) -> int:
         return self.features.shape[1]
+
+    @classmethod
+    def planned(
+        cls,
+        *,
+        features: np.ndarray,
+        train: Windows,
+        labels: np.ndarray,
+        order: np.ndarray,
+        max_len: int,
+        packing: bool = True,
+    ) -> TrainingSet:
+        """With every step's packing plan fixed up front (or none, if not packing)."""
+        return cls(features=features, train=train, labels=labels, order=order, max_len=max_len,
+                   **plan_packing(train.lengths, order, max_len, packing))  # fmt: skip
+
+
+def plan_packing(lengths: np.ndarray, order: np.ndarray, max_len: int, packing: bool) -> dict:
+    """pack_row, pack_off, pack_rows of TrainingSet: the sampler's packing plan, fixed with
+    the order before training starts (zeros and one row when not packing)."""
+    if not packing:
+        zeros = np.zeros(order.shape, np.int64)
+        return {"pack_row": zeros, "pack_off": zeros, "pack_rows": 1}
+    plans = [pack_plan(lengths[b], max_len) for b in order]
+    pack_row = np.stack([row for row, _ in plans])
+    return {
+        "pack_row": pack_row,
+        "pack_off": np.stack([off for _, off in plans]),
+        "pack_rows": int(pack_row.max()) + 1,
+    }
+
+
+@dataclass(kw_only=True, slots=True)
+class Workload(TrainingSet):
+    """The ladder's training set with its held-out day and what evaluation reads."""
+
+    test: Windows  # one window per event of the held-out day
+    test_table: pa.Table  # the held-out day's feature table (for the replay simulation)
+    threshold: Windows  # a subsample of training events: the trade threshold's quantile
+    normalizer: Normalizer
+    label_names: list[str]
+    test_labels: np.ndarray  # [test rows, L] the held-out day's labels, own units (NaN: none)
 
 
 def _finite_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -186,9 +219,6 @@ def build_workload(cfg: LadderConfig, root: str) -> Workload:
     need = cfg.steps * cfg.batch_size
     order = np.concatenate([rng.permutation(len(train)) for _ in range(-(-need // len(train)))])
     order = order[:need].reshape(cfg.steps, cfg.batch_size)
-    # the packing plan is the sampler's: fixed with the order, before training starts
-    plans = [pack_plan(train.lengths[b], cfg.max_len) for b in order]
-    pack_row = np.stack([row for row, _ in plans])
     return Workload(
         features=features,
         train=train,
@@ -201,9 +231,7 @@ def build_workload(cfg: LadderConfig, root: str) -> Workload:
         label_names=names,
         test_labels=label_matrix(test_table, cfg),
         max_len=cfg.max_len,
-        pack_row=pack_row,
-        pack_off=np.stack([off for _, off in plans]),
-        pack_rows=int(pack_row.max()) + 1,
+        **plan_packing(train.lengths, order, cfg.max_len, packing=True),
     )
 
 
@@ -219,7 +247,7 @@ def padded_index(
     return np.where(mask, rows, pad_row), mask
 
 
-def padded_batch(work: Workload, step: int, out: dict[str, np.ndarray] | None = None) -> dict:
+def padded_batch(work: TrainingSet, step: int, out: dict[str, np.ndarray] | None = None) -> dict:
     """The step's padded batch, freshly gathered from the feature matrix (or into `out`)."""
     which = work.order[step]
     idx, mask = padded_index(work.train, which, work.max_len, work.pad_row)
@@ -231,7 +259,7 @@ def padded_batch(work: Workload, step: int, out: dict[str, np.ndarray] | None = 
     return out
 
 
-def padded_spec(work: Workload, batch_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+def padded_spec(work: TrainingSet, batch_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
     B, T, F, L = batch_size, work.max_len, work.n_features, work.labels.shape[1]
     return {"x": ((B, T, F), "float32"), "mask": ((B, T), "bool"), "y": ((B, L), "float32")}
 
@@ -253,32 +281,50 @@ def pack_plan(lengths: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
     return row, off
 
 
-def packed_batch(work: Workload, step: int, out: dict[str, np.ndarray] | None = None) -> dict:
-    """The step's windows packed into [R, T] rows, same windows and order as padded_batch.
+def pack_fields(
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    row: np.ndarray,
+    off: np.ndarray,
+    T: int,
+    R: int,
+    pad_row: int,
+) -> dict[str, np.ndarray]:
+    """Windows (first feature row, length) placed at (row, off) of R rows of T events.
 
-    seg = slot of the window in the batch (B on padding), pos = events before the window's
-    anchor (the model's positional index), last = flat index of each anchor, count = length.
+    src = feature row of each position (pad_row on padding), seg = slot of the window in the
+    batch (B on padding), pos = events before the window's anchor (the model's positional
+    index), last = flat index of each anchor, count = length.
     """
-    which = work.order[step]
-    B, T, R = len(which), work.max_len, work.pack_rows
-    lengths = work.train.lengths[which]
-    row, off = work.pack_row[step], work.pack_off[step]
+    B = len(lengths)
     # token k of window b sits at flat index row*T + off + k and reads feature row start + k
     slot = np.repeat(np.arange(B), lengths)
     k = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     flat = row[slot] * T + off[slot] + k
-    src = np.full(R * T, work.pad_row, np.int64)
-    src[flat] = work.train.start[which][slot] + k
+    src = np.full(R * T, pad_row, np.int64)
+    src[flat] = starts[slot] + k
     seg = np.full(R * T, B, np.int64)
     seg[flat] = slot
     pos = np.zeros(R * T, np.int64)
     pos[flat] = lengths[slot] - 1 - k
-    fields = {
+    return {
+        "src": src,
         "seg": seg.reshape(R, T),
         "pos": pos.reshape(R, T),
         "last": row * T + off + lengths - 1,
         "count": lengths.astype(np.float32),
     }
+
+
+def packed_batch(work: TrainingSet, step: int, out: dict[str, np.ndarray] | None = None) -> dict:
+    """The step's windows packed into [R, T] rows, same windows and order as padded_batch."""
+    which = work.order[step]
+    T, R = work.max_len, work.pack_rows
+    fields = pack_fields(
+        work.train.start[which], work.train.lengths[which], work.pack_row[step],
+        work.pack_off[step], T, R, work.pad_row,
+    )  # fmt: skip
+    src = fields.pop("src")
     if out is None:
         return {"x": work.features[src].reshape(R, T, -1), **fields, "y": work.labels[which]}
     np.take(work.features, src, axis=0, out=out["x"].reshape(R * T, -1))
@@ -288,7 +334,7 @@ def packed_batch(work: Workload, step: int, out: dict[str, np.ndarray] | None = 
     return out
 
 
-def packed_spec(work: Workload, batch_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+def packed_spec(work: TrainingSet, batch_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
     B, T, R, F, L = batch_size, work.max_len, work.pack_rows, work.n_features, work.labels.shape[1]
     return {
         "x": ((R, T, F), "float32"),

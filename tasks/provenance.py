@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -52,7 +53,10 @@ def code_digest() -> str:
 @lru_cache(maxsize=1)
 def git_commit(short: bool = False) -> str:
     """The checkout's commit (with "+dirty" if it has changes), or "" outside git
-    (a wheel install)."""
+    (a wheel install); QUANTLOOP_GIT_COMMIT names it where there is no git (the GPU
+    machine runs a wheel built from a commit)."""
+    if named := os.environ.get("QUANTLOOP_GIT_COMMIT"):
+        return named
     root = Path(importlib.import_module("quantloop.flows").__file__).parents[1]
     if not (root / "pyproject.toml").is_file():
         return ""  # installed from a wheel: site-packages, whatever repository holds it

@@ -46,6 +46,24 @@ class ResearchSummary(BaseModel):
     tracking_uri: str
     prefect_flow_run_id: str
     wall_s: float
+    train_rungs: list[str] = Field(
+        default_factory=list,
+        description="The ladder's optimizations the model was trained with ([]: none).",
+    )
+    train_samples_per_s: float | None = Field(
+        default=None,
+        description="Training samples/s after the warm-up (compile, capture), as the ladder "
+        "measures its rungs; the whole loop's rate when there was no warm-up.",
+    )
+    train_ladder_result: dict | None = Field(
+        default=None, description="The ladder result the rungs relied on (file, commit, date)."
+    )
+    inference_mode: str | None = Field(
+        default=None, description="How simulate predicted: 'eager' or the rungs applied."
+    )
+    inference_samples_per_s: float | None = Field(
+        default=None, description="Windows simulate predicted per second (None when cached)."
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -182,8 +183,12 @@ class RunLog:
     def dataset(self, *, name: str, source: str, digest: str, context: str, rows: int) -> None:
         """An input dataset of the run (the UI's Datasets column): which catalog dataset,
         where it lives, and the digest of exactly the partition versions read."""
+        with warnings.catch_warnings():
+            # a local path matches two registered local sources, both the same class
+            warnings.simplefilter("ignore", UserWarning)
+            resolved = resolve_dataset_source(source)
         ds = MetaDataset(
-            resolve_dataset_source(source), name=name,
+            resolved, name=name,
             digest=digest[:32],  # MLflow keeps 36 characters; the full digest is a tag
         )  # fmt: skip
         tags = [InputTag("mlflow.data.context", context), InputTag("quantloop.digest", digest),

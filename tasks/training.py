@@ -28,6 +28,14 @@ from quantloop.tasks import storage
 
 INPUT_CLIP = 10.0  # standardized inputs are clipped to +-10 std: one wild event can't dominate
 
+# The optimization ladder's switches a training run can apply, in rung order. What each
+# does, and the proof that it keeps the answer, live in profiling/ (rungs.py, proof.py);
+# tests/test_train_rungs.py checks that the two lists agree.
+OPTIMIZATIONS = (
+    "compile", "bf16", "device_metrics", "fused_kernel", "streams", "cudagraph", "packing",
+    "flex_attention", "flat_grads", "autotune",
+)  # fmt: skip
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig:
@@ -45,9 +53,24 @@ class TrainConfig:
     # OpenMP threads collapse when the cores are shared (measured on a busy 2-core box:
     # 43 ms/step with 1 thread, ~1 s/step with 2)
     num_threads: int = 1
+    # clock-time windows: the events of the last window_s seconds, at most `window` of them
+    # (so window lengths vary); None: always the last `window` events
+    window_s: float | None = None
+    # the model's size (models.orderbook.ModelConfig)
+    d_model: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    ff_mult: int = 2
+    # the ladder's optimizations to train with: "auto" (those the latest recorded ladder result
+    # proved equivalent on this kind of device and that run here), "none" (eager float32, the
+    # plain loop below), or a list of OPTIMIZATIONS names
+    optimizations: str | tuple[str, ...] = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("window", "stride", "batch_size", "steps", "log_every"):
+        for name in (
+            "window", "stride", "batch_size", "steps", "log_every", "d_model", "n_layers",
+            "n_heads", "ff_mult",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -64,6 +87,34 @@ class TrainConfig:
                 torch.device(self.device)
             except RuntimeError as exc:
                 raise ValueError(f"device {self.device!r} is not a torch device") from exc
+        if self.window_s is not None and not self.window_s > 0:
+            raise ValueError(f"window_s must be > 0 (or None), got {self.window_s}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        # frozen: the canonical form is set once here, so equal choices compare (and key) equal
+        object.__setattr__(self, "optimizations", canonical_optimizations(self.optimizations))
+
+    @property
+    def model_size(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "ff_mult")}
+
+
+def canonical_optimizations(value: str | Sequence[str]) -> str | tuple[str, ...]:
+    """ "auto", "none", or the named optimizations once each, in rung order ([] is "none")."""
+    if isinstance(value, str):
+        if value in ("auto", "none"):
+            return value
+        raise ValueError(
+            f"optimizations must be 'auto', 'none' or a list of names from {OPTIMIZATIONS}, "
+            f"got {value!r}"
+        )
+    names = list(value)
+    unknown = [n for n in names if n not in OPTIMIZATIONS]
+    if unknown:
+        raise ValueError(f"optimizations: unknown {unknown}; known: {', '.join(OPTIMIZATIONS)}")
+    return tuple(n for n in OPTIMIZATIONS if n in names) or "none"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -113,12 +164,29 @@ def window_rows(anchors: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarra
     return rows, rows >= 0
 
 
+def clock_window_starts(time: np.ndarray, window_s: float, max_len: int) -> np.ndarray:
+    """First row of each row's window: events with time in (t - window_s, t], <= max_len."""
+    rows = np.arange(len(time))
+    start = np.searchsorted(time, time - window_s, side="right")
+    return np.maximum(start, rows - (max_len - 1)).astype(np.int64)
+
+
+def window_starts(table: pa.Table, cfg: TrainConfig) -> np.ndarray:
+    """[rows] first row of each row's window in `table`: the last `cfg.window` events, or
+    with `cfg.window_s` those of the last window_s seconds (at most `cfg.window`)."""
+    if cfg.window_s is None:
+        return np.maximum(np.arange(table.num_rows) - (cfg.window - 1), 0)
+    time = table.column("time").to_numpy(zero_copy_only=False).astype(np.float64)
+    return clock_window_starts(time, cfg.window_s, cfg.window)
+
+
 def make_windows(
     tables: Sequence[pa.Table], inputs: Sequence[str], labels: Sequence[str], cfg: TrainConfig
 ) -> WindowData:
     """Anchors every `cfg.stride` events (rows 0, stride, 2*stride, ...) whose labels are all
-    finite; each window is the `cfg.window` events up to and including the anchor, from the
-    same table only (a day's first events get left padding, mask False)."""
+    finite; each window is the `cfg.window` events up to and including the anchor (or those
+    of the last `cfg.window_s` seconds), from the same table only (a day's first events get
+    left padding, mask False)."""
     pad = sum(t.num_rows for t in tables)  # index of the zero padding row
     feats, idx, masks, ys, which, anchor_rows = [], [], [], [], [], []
     offset = 0
@@ -128,6 +196,8 @@ def make_windows(
         anchors = np.arange(0, table.num_rows, cfg.stride)
         anchors = anchors[np.isfinite(y[anchors]).all(axis=1)]
         rows, mask = window_rows(anchors, cfg.window)
+        if cfg.window_s is not None:  # fixed windows: start <= every row >= 0, mask unchanged
+            mask &= rows >= window_starts(table, cfg)[anchors, None]
         feats.append(x)
         idx.append(np.where(mask, rows + offset, pad))
         masks.append(mask)
@@ -259,6 +329,43 @@ class TrainResult:
     duration_s: float  # the optimization loop, ending with the one host sync
     samples_per_s: float  # samples_seen / duration_s
     device: str
+    # --- what the ladder's trainer (profiling.trainer) adds; defaults for the plain loop
+    rungs: tuple[str, ...] = ()  # the optimizations applied; () = the plain loop below
+    steady_samples_per_s: float | None = None  # after the warm-up (compile, capture)
+    step_ms: float | None = None  # per step after the warm-up (the whole loop's mean here)
+    warmup_s: float | None = None  # the warm-up steps' time
+    gpu_util: float | None = None  # mean NVML busy fraction over the steps after the warm-up
+    peak_mem_gb: float | None = None  # GiB allocated at most during training (CUDA)
+    ladder_result: dict | None = None  # the ladder result `auto` relied on (profiling.proof)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingData:
+    """Everything a training run reads, prepared from the tables once: windows, normalized
+    features and labels, the seeded batch order, the model's config. The plain loop below
+    and the ladder's trainer (profiling.trainer) both train on this."""
+
+    windows: WindowData
+    normalizer: Normalizer
+    features: np.ndarray  # [rows + 1, F] float32 standardized; the last row zeros (padding)
+    labels: np.ndarray  # [N, L] float32 standardized
+    order: np.ndarray  # [steps, batch] window indices (sample_order)
+    model_config: ModelConfig
+    inputs: list[str]
+    label_names: list[str]
+
+    @property
+    def starts(self) -> np.ndarray:
+        """[N] row of each window's first real event in `features` (windows are runs of
+        consecutive rows, right-aligned in `windows.index`)."""
+        index, mask = self.windows.index, self.windows.mask
+        first = index.shape[1] - mask.sum(1)
+        return index[np.arange(len(index)), first]
+
+    @property
+    def ends(self) -> np.ndarray:
+        """[N] row of each window's anchor in `features`."""
+        return self.windows.index[:, -1]
 
 
 @contextmanager
@@ -275,21 +382,18 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def train(
+def prepare(
     tables: Sequence[pa.Table],
     inputs: Sequence[str],
     labels: Sequence[str],
     cfg: TrainConfig,
     model_cfg: ModelConfig | None = None,
-) -> TrainResult:
-    """Fit OrderBookNet on windows of `tables`. Same seed + data -> same curve and digest (CPU).
-
-    model_cfg defaults to ModelConfig(n_features=len(inputs), n_outputs=len(labels)).
-    The global torch RNG state is restored afterwards.
-    """
+) -> TrainingData:
+    """Windows, normalization and batch order of a training run; model_cfg defaults to
+    ModelConfig(n_features=len(inputs), n_outputs=len(labels)) at the config's size."""
     inputs, labels = list(inputs), list(labels)
     if model_cfg is None:
-        model_cfg = ModelConfig(n_features=len(inputs), n_outputs=len(labels))
+        model_cfg = ModelConfig(n_features=len(inputs), n_outputs=len(labels), **cfg.model_size)
     if (model_cfg.n_features, model_cfg.n_outputs) != (len(inputs), len(labels)):
         raise ValueError(
             f"model_cfg has n_features={model_cfg.n_features}, n_outputs={model_cfg.n_outputs}"
@@ -297,28 +401,59 @@ def train(
         )
     if cfg.window > model_cfg.max_len:
         raise ValueError(f"window {cfg.window} exceeds model max_len {model_cfg.max_len}")
-    device = resolve_device(cfg.device)
     data = make_windows(tables, inputs, labels, cfg)
     if len(data) == 0:
         raise ValueError("no training windows: no anchor row has all labels finite")
     normalizer = Normalizer.fit(data)
     features = normalizer.apply_inputs(data.features)
     features[-1] = 0.0  # keep the padding row zero
+    return TrainingData(
+        windows=data,
+        normalizer=normalizer,
+        features=features,
+        labels=normalizer.scale_labels(data.labels),
+        order=sample_order(len(data), cfg),
+        model_config=model_cfg,
+        inputs=inputs,
+        label_names=labels,
+    )
 
+
+def train(
+    tables: Sequence[pa.Table],
+    inputs: Sequence[str],
+    labels: Sequence[str],
+    cfg: TrainConfig,
+    model_cfg: ModelConfig | None = None,
+) -> TrainResult:
+    """Fit OrderBookNet on windows of `tables` in the plain loop: eager float32, whatever
+    `cfg.optimizations` says (the ladder's trainer, profiling.trainer, applies those).
+    Same seed + data -> same curve and digest (CPU). The global torch RNG state is restored
+    afterwards."""
+    return train_plain(prepare(tables, inputs, labels, cfg, model_cfg), cfg)
+
+
+def train_plain(prepared: TrainingData, cfg: TrainConfig) -> TrainResult:
+    """The plain loop over prepared data: everything on the device, a batch is one gather
+    there, one host sync at the end."""
+    device = resolve_device(cfg.device)
+    data = prepared.windows
     # everything the loop reads lives on the device; a batch is a gather there
-    feats_t = torch.from_numpy(features).to(device)  # [rows + 1, F]
+    feats_t = torch.from_numpy(prepared.features).to(device)  # [rows + 1, F]
     index_t = torch.from_numpy(data.index).to(device)  # [N, T]
     mask_t = torch.from_numpy(data.mask).to(device)  # [N, T]
-    labels_t = torch.from_numpy(normalizer.scale_labels(data.labels)).to(device)  # [N, L]
-    order_t = torch.from_numpy(sample_order(len(data), cfg)).to(device)  # [steps, B]
+    labels_t = torch.from_numpy(prepared.labels).to(device)  # [N, L]
+    order_t = torch.from_numpy(prepared.order).to(device)  # [steps, B]
 
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices), torch_threads(cfg.num_threads):
         torch.manual_seed(cfg.seed)
-        model = OrderBookNet(model_cfg).to(device)
+        model = OrderBookNet(prepared.model_config).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         losses = torch.zeros(cfg.steps, device=device)  # filled on device, read once at the end
         model.train()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         for step in range(cfg.steps):
             b = order_t[step]
@@ -327,25 +462,32 @@ def train(
         curve = losses.cpu().numpy().astype(np.float64)  # the one host sync
         duration = time.perf_counter() - start
         model.eval()
-
-    starts = np.arange(0, cfg.steps, cfg.log_every)
-    counts = np.diff(np.append(starts, cfg.steps))
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     seen = cfg.steps * cfg.batch_size
     return TrainResult(
         model=model,
-        model_config=model_cfg,
+        model_config=prepared.model_config,
         train_config=cfg,
-        normalizer=normalizer,
-        inputs=inputs,
-        labels=labels,
-        loss_curve=(np.add.reduceat(curve, starts) / counts).tolist(),
+        normalizer=prepared.normalizer,
+        inputs=prepared.inputs,
+        labels=prepared.label_names,
+        loss_curve=interval_means(curve, cfg.log_every),
         model_digest=model_digest(model),
         samples=len(data),
         samples_seen=seen,
         duration_s=duration,
         samples_per_s=seen / duration if duration > 0 else float("inf"),
         device=str(device),
+        step_ms=duration / cfg.steps * 1e3,
+        peak_mem_gb=peak,
     )
+
+
+def interval_means(per_step: np.ndarray, every: int) -> list[float]:
+    """The loss curve: mean of each run of `every` steps (the last run may be shorter)."""
+    starts = np.arange(0, len(per_step), every)
+    counts = np.diff(np.append(starts, len(per_step)))
+    return (np.add.reduceat(np.asarray(per_step, np.float64), starts) / counts).tolist()
 
 
 # ---------------------------------------------------------------- inference and persistence
@@ -360,7 +502,7 @@ def predict(
     """Predictions in bps for every row of a feature table: [rows, n_outputs] float64.
 
     Each row is the anchor of its own window; the first rows of the day get shorter,
-    left-padded windows, exactly as in training.
+    left-padded windows, exactly as in training. Eager float32, padded.
     """
     if inputs is not None and list(inputs) != result.inputs:
         raise ValueError(f"inputs {list(inputs)} differ from the model's inputs {result.inputs}")
@@ -372,15 +514,23 @@ def predict(
         np.concatenate([features, np.zeros((1, features.shape[1]), np.float32)])
     ).to(device)
     offsets = torch.arange(1 - window, 1, device=device)  # [T]
+    # fixed windows start at max(row - T + 1, 0): the mask is rows >= 0, as it always was
+    starts = torch.from_numpy(window_starts(table, result.train_config)).to(device)  # [rows]
     out = np.empty((n, result.model_config.n_outputs), np.float32)
     with torch.no_grad(), torch_threads(result.train_config.num_threads):
         for start in range(0, n, batch_size):  # one iteration per batch of rows
             stop = min(n, start + batch_size)
             rows = torch.arange(start, stop, device=device)[:, None] + offsets  # [B, T]
-            mask = rows >= 0
+            mask = rows >= starts[start:stop, None]
             x = feats_t[torch.where(mask, rows, n)]  # [B, T, F]; n is the zero row
             out[start:stop] = model(x, mask).float().cpu().numpy()
     return result.normalizer.unscale_labels(out)
+
+
+# TrainResult's measured figures a saved model keeps (absent from models saved before them)
+MEASURED = (
+    "steady_samples_per_s", "step_ms", "warmup_s", "gpu_util", "peak_mem_gb", "ladder_result",
+)  # fmt: skip
 
 
 def save_model(result: TrainResult, url: str | os.PathLike) -> None:
@@ -401,7 +551,9 @@ def save_model(result: TrainResult, url: str | os.PathLike) -> None:
         "duration_s": result.duration_s,
         "samples_per_s": result.samples_per_s,
         "device": result.device,
+        **{k: getattr(result, k) for k in MEASURED},
     }
+    payload["rungs"] = list(result.rungs)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     storage.write_bytes_atomic(os.fspath(url), buffer.getvalue())
@@ -436,4 +588,6 @@ def load_model(url: str | os.PathLike, device: str = "cpu") -> TrainResult:
         duration_s=payload["duration_s"],
         samples_per_s=payload["samples_per_s"],
         device=payload["device"],
+        rungs=tuple(payload.get("rungs", ())),  # models saved before the trainer had none
+        **{k: payload.get(k) for k in MEASURED},
     )

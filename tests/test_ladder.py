@@ -254,10 +254,10 @@ def test_the_report_renders_the_h200_run_as_it_was_published():
     published = (H200_RESULT.parent / "ladder-h200.md").read_text()
     rung_table, controls_table = markdown_tables(report)
     assert [rung_table, controls_table] == markdown_tables(published)
-    assert rung_table.count("\n") == 2 + 8 - 1 and "| 8. no_padding | 136,890 |" in rung_table
+    assert rung_table.count("\n") == 2 + 10 - 1 and "| 10. flat_grads | 152,842 |" in rung_table
     assert report.startswith("# GPU optimization ladder on NVIDIA H200\n\ntorch 2.11.0+cu130, ")
-    assert "commit `6640468+uncommitted-profiling`" in report
-    assert "Measured ceilings: bf16 matmul 788 TFLOP/s, device copy 4244 GB/s." in report
+    assert "commit `d83b956`" in report
+    assert "Measured ceilings: bf16 matmul 781 TFLOP/s, device copy 4221 GB/s." in report
 
 
 @pytest.mark.slow
@@ -296,9 +296,10 @@ def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     )
     result = ladder(params)
     rungs = {r["name"]: r for r in result["rungs"]}
-    assert [r["number"] for r in result["rungs"]] == list(range(1, 9))
-    for name in ("fused_kernel", "streams", "cuda_graph"):
+    assert [r["number"] for r in result["rungs"]] == list(range(1, len(RUNGS) + 1))
+    for name in ("fused_kernel", "streams", "cuda_graph", "flex_attention", "autotune"):
         assert rungs[name]["skipped"].startswith("skipped: no CUDA device")
+    assert rungs["flat_grads"]["skipped"] == "skipped: needs fused_kernel, which cannot run here"
     ran = [r for r in result["rungs"] if not r["skipped"]]
     assert [r["name"] for r in ran] == [
         "baseline",
@@ -323,7 +324,7 @@ def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     exp = client.get_experiment_by_name("ladder")
     runs = client.search_runs([exp.experiment_id])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == result["mlflow_run_id"]]
-    assert len(children) == 8
+    assert len(children) == len(RUNGS)
     by_name = {r.data.tags["quantloop.stage"]: r for r in children}
     assert by_name["rung6-streams"].data.tags["skipped"].startswith("skipped")
     base = by_name["rung1-baseline"]

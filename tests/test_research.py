@@ -145,7 +145,12 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
 
     loss = client.get_metric_history(stages["train"].info.run_id, "loss")
     assert [m.step for m in loss] == [5, 10, 15, 20, 25, 30]
-    assert stages["train"].data.tags["model_digest"] == first.model_digest
+    train_run = stages["train"].data
+    assert train_run.tags["model_digest"] == first.model_digest
+    # auto on a CPU: no ladder result for it, so the plain loop, and it says so
+    assert first.train_rungs == [] and train_run.tags["rungs"] == "none"
+    assert train_run.params["plan.optimizations"] == "auto"
+    assert train_run.params["plan.rungs"] == "none" and "step_ms" in train_run.metrics
     artifacts = {a.path for a in client.list_artifacts(stages["simulate"].info.run_id)}
     assert {"markout_curve.png", "markouts"} <= artifacts
     assert "model.total.markout_bps.5s" in stages["simulate"].data.metrics
@@ -207,6 +212,20 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     assert [m["model_digest"] for m in lineage["used_by_models"]] == [changed.model_digest]
     out = runner.invoke(app, ["nodes", "--home", home, "--product", "SYNA", "--all-runs"])
     assert out.exit_code == 0 and "9 of 18 nodes match" in out.output
+
+    # The ladder's rungs a CPU runs, asked for by name: another model key, trained through
+    # profiling.trainer and recorded; "none" is the plain loop, the first run's model.
+    train = {**TINY["train"], "optimizations": ["device_metrics", "packing"]}
+    packed = research(tiny_params(tmp_path / "home", mlflow_uri, train=train))
+    assert not packed.model_cached and packed.model_digest != first.model_digest
+    assert packed.train_rungs == ["device_metrics", "packing"] and packed.train_samples_per_s > 0
+    packed_train = children(client, packed.mlflow_run_id)["train"].data
+    assert packed_train.tags["rungs"] == "device_metrics,packing"
+    assert packed_train.params["plan.rungs_unproven"] == "device_metrics,packing"
+    assert {"steady_samples_per_s", "step_ms", "warmup_s"} <= set(packed_train.metrics)
+    train = {**TINY["train"], "optimizations": "none"}
+    plain = research(tiny_params(tmp_path / "home", mlflow_uri, train=train))
+    assert plain.model_cached and plain.model_digest == first.model_digest
 
 
 @pytest.mark.slow

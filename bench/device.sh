@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The GPU machine's side of the H200 runs (docs/ladder.md, "How the H200 figures were made").
+#
+#   bash bench/device.sh h200 OUT COMMIT     one H200: `quantloop ladder`, then `quantloop run`
+#                                            on the ladder's workload shape, then bulk
+#                                            inference eager vs fast, then (time left) rung 11
+#   bash bench/device.sh ddp OUT COMMIT      two (or more) H200s: bench/ddp.py
+#
+# The machine has torch, Triton, numpy, pyarrow ... but not Prefect, MLflow or Dask: their
+# wheels (and quantloop's, built from COMMIT) travel in WHEELS (default ../.whl) and are
+# installed with --no-deps into /tmp/site. Everything the runs write goes to OUT (8 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+stage=$1 out=$2 commit=$3
+wheels=${WHEELS:-../.whl}
+preset=${PRESET:-h200} params=${PARAMS:-bench/params/research-h200.json}  # CPU rehearsal: cpu_tiny
+start=$SECONDS
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 QUANTLOOP_GIT_COMMIT=$commit MPLBACKEND=Agg
+export PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_HOME=/tmp/prefect-home
+# NVLink multicast stays off, also in every process these start (KINDS.md)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+
+if [ "$stage" = ddp-nograph ]; then  # the same without the whole-step CUDA graph
+  sw=compile,bf16,device_metrics,fused_kernel,streams,packing,flex_attention
+  for n in 1 2; do
+    python3 -m torch.distributed.run --standalone --nproc-per-node $n bench/ddp.py --out "$out" \
+      --commit "$commit" --work /tmp/ddp-nograph --switches $sw --name ladder-h200x2-nograph
+  done 2>&1 | grep -v Warn | tee "$out/ddp-nograph.log" | tail -4
+  exit 0
+fi
+if [ "$stage" = ddp ]; then
+  if [ -z "${SKIP_ALONE:-}" ]; then
+  # first, on GPU 0: the research run's training outside the flow (bench/train_alone.py)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl && \
+    PYTHONPATH=/tmp/site CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_alone.py \
+      --params bench/params/research-h200.json --out "$out" 2>&1 | grep -v Warning | tail -8
+  echo "== train_alone at $((SECONDS - start)) s"
+  fi
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  run() { python3 -m torch.distributed.run --standalone --nproc-per-node "$1" bench/ddp.py \
+            --out "$out" --commit "$commit" "${@:2}"; }
+  { run 1 --work /tmp/ddp && run "$n" --work /tmp/ddp; } 2>&1 | tee "$out/ddp.log"
+  if [ "${PIPESTATUS[0]}" != 0 ]; then
+    echo "== the graphed run failed: again without the whole-step CUDA graph" | tee -a "$out/ddp.log"
+    sw=compile,bf16,device_metrics,fused_kernel,streams,packing,flex_attention
+    { run 1 --work /tmp/ddp-nograph --switches $sw \
+        && run "$n" --work /tmp/ddp-nograph --switches $sw; } 2>&1 | tee -a "$out/ddp.log"
+  fi
+  exit 0
+fi
+
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+echo "== wheels installed at $((SECONDS - start)) s"
+home=${QHOME:-/tmp/qhome}
+# 1. the ladder flow (Prefect's ephemeral API, MLflow's SQLite store under home); rung 11
+#    (autotune) apart, at the end: its compile time is unknown
+# from /tmp: the checkout's quantloop/ folder (without its package-dir mapping) must not
+# shadow the installed wheel, here or in the subprocesses (Prefect's server, Dask workers)
+params=$(realpath "$params")
+cd /tmp
+timeout 330 python3 -P -m quantloop.cli ladder --preset $preset --home $home --rungs 1,2,3,4,5,6,7,8,9,10 \
+  > /tmp/ladder.log 2>&1
+echo "== ladder rc $? at $((SECONDS - start)) s"; tail -25 /tmp/ladder.log
+cp $home/ladder/ladder.json "$out/ladder-h200.json"
+cp $home/ladder/ladder.md "$out/ladder-h200.md"
+(cd $home/ladder && tar czf "$out/ladder-h200.traces.tar.gz" trace-*.json)
+# 2. the research loop on the ladder's workload shape; `auto` reads home/ladder/ladder.json
+timeout 200 python3 -P -m quantloop.cli run --params $params --home $home \
+  --summary-json "$out/research-h200.json" > /tmp/research.log 2>&1
+echo "== research rc $? at $((SECONDS - start)) s"; tail -30 /tmp/research.log
+cd "$repo"
+grep -h "training optimizations\|trained on\|predicted" $home/logs/*.log | tail -5
+# 3. bulk inference over unseen days, eager against the fast path
+model=$(python3 -c "import json; print(json.load(open('$out/research-h200.json'))['model_url'])")
+timeout 90 python3 bench/inference.py --model "$model" --out "$out" --commit "$commit" \
+  --params $params --days 3 2>&1 | tail -22
+echo "== inference at $((SECONDS - start)) s"
+# MLflow's store and artifacts, less the rung traces (they are in the traces tarball)
+tar czf "$out/mlflow-h200.tar.gz" -C $home --exclude='*/trace/*' mlflow.db mlartifacts
+# 4. rung 11 in the time left (bench/ladder.py: rung 1 again as its reference)
+left=$((560 - (SECONDS - start)))
+if [ $left -gt 120 ] && [ -z "${SKIP_AUTOTUNE:-}" ]; then
+  timeout $left python3 bench/ladder.py --out /tmp/autotune --work /tmp/autotune-work \
+    --preset $preset --rungs 1,11 --controls fp32 --commit "$commit" --name ladder-h200-autotune \
+    > /tmp/autotune.log 2>&1
+  echo "== autotune rc $? at $((SECONDS - start)) s"
+  tail -6 /tmp/autotune.log
+  cp /tmp/autotune/ladder-h200-autotune.json "$out/" 2>/dev/null
+else
+  echo "== autotune not run: $left s left"
+fi
+# one log of every step (the 8-file limit): ladder, research run (and its log file), rung 11
+for f in /tmp/ladder.log /tmp/research.log $home/logs/*.log /tmp/autotune.log; do
+  [ -f "$f" ] && { echo "===== $f"; cat "$f"; }
+done > "$out/run.log"
+ls -la "$out"

@@ -1,0 +1,83 @@
+"""The research run's training, outside the flow: why its samples/s differ from the ladder's.
+
+    python bench/train_alone.py --params bench/params/research-h200.json --out $OUT
+
+Builds the research run's training days (the same synthetic days and features the flow
+lands and computes) and trains them with profiling.trainer in a bare process: no Prefect
+API, no Dask scheduler, no progress bars. Then once more with one Python thread spinning
+beside it (a stand-in for the flow process's other threads): the step's host work (the
+loader thread's packing, the graph launch) needs the GIL once per step. Writes
+<out>/train-alone-h200.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkout import use_checkout  # noqa: E402
+
+use_checkout()
+
+import torch  # noqa: E402
+
+from quantloop.profiling.proof import plan_rungs  # noqa: E402
+from quantloop.profiling.trainer import train_applied, training_set  # noqa: E402
+from quantloop.tasks.features import FeatureParams, compute_features, feature_set  # noqa: E402
+from quantloop.tasks.synthetic import SyntheticConfig, generate_day  # noqa: E402
+from quantloop.tasks.training import TrainConfig, prepare  # noqa: E402
+
+RUNGS = ("compile", "bf16", "device_metrics", "fused_kernel", "streams", "cudagraph", "packing",
+         "flex_attention", "flat_grads")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    params = json.loads(Path(args.params).read_text())
+    synth = SyntheticConfig(**params["data"]["synthetic"])
+    n_train = params["data"]["n_dates"] - 1  # the last date is held out (holdout 0.25)
+    dates, d = [], dt.date(2026, 3, 2)
+    while len(dates) < n_train:  # business days, as tasks.landing.business_days
+        if d.weekday() < 5:
+            dates.append(d)
+        d += dt.timedelta(days=1)
+    fs = feature_set(FeatureParams())
+    tables = [compute_features(generate_day("SYNA", day, synth), FeatureParams()) for day in dates]
+    cfg = TrainConfig(**{k: v for k, v in params["train"].items() if k != "optimizations"})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plan = plan_rungs(RUNGS, device)
+    data = prepare(tables, fs.inputs, fs.labels, cfg)
+    work = training_set(data, packing=True)
+    out = {"pack_rows": work.pack_rows, "mean_window": float(work.train.lengths.mean()),
+           "windows": len(work.train), "rungs": list(plan.rungs)}  # fmt: skip
+    for label, spin in (("alone", False), ("one_spinning_thread", True)):
+        stop = threading.Event()
+        if spin:
+
+            def busy(stop: threading.Event = stop) -> None:
+                x = 0
+                while not stop.is_set():  # pure Python: holds the GIL for its switch interval
+                    x += 1
+
+            threading.Thread(target=busy, daemon=True).start()
+        r = train_applied(tables, fs.inputs, fs.labels, cfg, plan)
+        stop.set()
+        out[label] = {"steady_samples_per_s": r.steady_samples_per_s, "step_ms": r.step_ms,
+                      "gpu_util": r.gpu_util, "warmup_s": r.warmup_s}  # fmt: skip
+        print(label, out[label], flush=True)
+    out["switch_interval_s"] = sys.getswitchinterval()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "train-alone-h200.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

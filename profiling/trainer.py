@@ -1,0 +1,167 @@
+"""A research run's training with the ladder's optimizations applied.
+
+tasks.training prepares the data (windows, normalization, the seeded batch order) and
+trains in its plain loop; this trains the same model from the same seed on the same
+batches in the same order, stepping through profiling.loop.Training: the pieces the
+ladder measured (compile, bf16, on-device metrics, the fused optimizer kernel, the copy
+stream, the whole-step CUDA graph, packed windows, FlexAttention, ...), switched on by
+name. `train_applied` is what flows/train.py calls; with no rungs it is the plain loop.
+
+The clock: the whole loop (samples_per_s, as the plain loop reports it) and, apart from
+it, the steps after the warm-up (compile, capture): steady_samples_per_s and step_ms,
+from CUDA events, as the ladder measures its rungs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from quantloop.models.orderbook import ModelConfig
+from quantloop.profiling import (
+    compile,
+    cudagraph,
+    kernels,
+    loop,
+    measure,
+    metrics,
+    packing,
+    precision,
+    streams,
+    workload,
+)
+from quantloop.profiling.loop import StepSettings, Training, seeded_model
+from quantloop.profiling.precision import apply_precision
+from quantloop.profiling.proof import Plan, plan_rungs
+from quantloop.profiling.rungs import Switches
+from quantloop.profiling.workload import TrainingSet, Windows
+from quantloop.tasks.training import (
+    TrainConfig,
+    TrainingData,
+    TrainResult,
+    interval_means,
+    model_digest,
+    prepare,
+    resolve_device,
+    torch_threads,
+    train_plain,
+)
+
+# The code a model trained here depends on besides tasks.training and models (model keys)
+RUNG_CODE = (
+    sys.modules[__name__], loop, kernels, packing, compile, cudagraph, streams, metrics,
+    precision, workload,
+)  # fmt: skip
+MAX_WARMUP_STEPS = 25  # compile and capture happen here; the ladder warms up as long
+
+
+def warmup_steps(steps: int) -> int:
+    """Steps before the clock starts: up to 25, at least 4 (3 eager steps before a CUDA graph
+    is captured, then the capture), and a quarter of a short run at most."""
+    return max(4, min(MAX_WARMUP_STEPS, steps // 4))
+
+
+def training_set(data: TrainingData, packing: bool) -> TrainingSet:
+    """The batch makers' view of a research run's data (windows as row ranges)."""
+    return TrainingSet.planned(
+        features=data.features,
+        train=Windows(start=data.starts, end=data.ends),
+        labels=data.labels,
+        order=data.order,
+        max_len=data.windows.index.shape[1],
+        packing=packing,
+    )
+
+
+def train_applied(
+    tables: Sequence[pa.Table],
+    inputs: Sequence[str],
+    labels: Sequence[str],
+    cfg: TrainConfig,
+    plan: Plan | None = None,
+    model_cfg: ModelConfig | None = None,
+    *,
+    compile_backend: str | None = None,
+) -> TrainResult:
+    """tasks.training.train with `plan`'s rungs (default: plan_rungs(cfg.optimizations)).
+
+    compile_backend overrides the plan's (tests on a CPU use aot_eager: Inductor's C++
+    build takes minutes there)."""
+    device = resolve_device(cfg.device)
+    plan = plan or plan_rungs(cfg.optimizations, device)
+    data = prepare(tables, inputs, labels, cfg, model_cfg)
+    if not plan.rungs:
+        return train_plain(data, cfg)  # bit for bit the plain loop
+    return train_prepared(data, cfg, plan, compile_backend=compile_backend)
+
+
+def train_prepared(
+    data: TrainingData, cfg: TrainConfig, plan: Plan, *, compile_backend: str | None = None
+) -> TrainResult:
+    device = resolve_device(cfg.device)
+    cuda = device.type == "cuda"
+    sw = Switches.of(plan.rungs)
+    work = training_set(data, sw.packing)
+    W = warmup_steps(cfg.steps)
+    settings = StepSettings(
+        batch_size=cfg.batch_size, steps=cfg.steps, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        log_every=cfg.log_every, eager_steps=W - 1,
+        compile_backend=compile_backend or plan.compile_backend,
+    )  # fmt: skip
+    torch._dynamo.reset()
+    model = seeded_model(data.model_config, cfg.seed, device)
+    training = Training(model, sw, work, settings, device, plain_logger="loss")
+    timer = measure.StepTimer(device)
+    sampler = measure.UtilSampler(device)
+    warmup_s = timed = 0.0
+    model.train()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    try:
+        with apply_precision(device, enabled=sw.bf16), torch_threads(cfg.num_threads):
+            timer.start()
+            for step in range(cfg.steps):
+                if step == W:
+                    warmup_s = timer.stop()[1]
+                    sampler.__enter__()
+                    timer.start()
+                training.step(step)
+            if cfg.steps > W:
+                timed = timer.stop()[0]
+                sampler.__exit__(None, None, None)
+            measure.sync(device)
+    finally:
+        training.close()
+    loss = training.logger.series()[0]  # the loss read back: the run's last host sync
+    duration = time.perf_counter() - start
+    model.eval()
+    seen = cfg.steps * cfg.batch_size
+    after = cfg.steps - W if cfg.steps > W else 0
+    return TrainResult(
+        model=model,
+        model_config=data.model_config,
+        train_config=cfg,
+        normalizer=data.normalizer,
+        inputs=data.inputs,
+        labels=data.label_names,
+        loss_curve=interval_means(np.asarray(loss), cfg.log_every),
+        model_digest=model_digest(model),
+        samples=len(data.windows),
+        samples_seen=seen,
+        duration_s=duration,
+        samples_per_s=seen / duration if duration > 0 else float("inf"),
+        device=str(device),
+        rungs=plan.rungs,
+        steady_samples_per_s=after * cfg.batch_size / timed if timed > 0 else None,
+        step_ms=timed / after * 1e3 if timed > 0 else duration / cfg.steps * 1e3,
+        warmup_s=warmup_s,
+        gpu_util=sampler.mean,
+        peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        ladder_result=plan.proof.to_dict() if plan.proof is not None else None,
+    )
