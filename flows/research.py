@@ -32,6 +32,7 @@ from quantloop.tasks.simulation import SimConfig
 from quantloop.tasks.stage import StageParams
 from quantloop.tasks.summary import ResearchSummary, markout_table
 from quantloop.tasks.synthetic import SyntheticConfig
+from quantloop.tasks.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
 from quantloop.tasks.training import TrainConfig, resolve_device
 from quantloop.tasks.workspace import Selection, Workspace
 
@@ -224,6 +225,11 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
         "git_commit": git_commit(),
         "params_hash": params.hash(),
         "data_digest": data_digest,
+        # Where the run's records are: `quantloop nodes --run` and `quantloop reproduce`
+        # find the store and the catalog from these, without the workspace's folders.
+        STORE_TAG: site.root,
+        CATALOG_TAG: str(ws.catalog().path),
+        WORKSPACE_TAG: ws.model_dump_json(),
     }
     with tracking.run(client, experiment, "research", tags=tags) as parent:
         parent.params(

@@ -87,6 +87,13 @@ def _store_lock(uri: str) -> Iterator[None]:
 # Who made a run: a later run on the same host can tell a run whose process died
 # (SIGKILL, power loss) from one still going, and mark it KILLED.
 HOST_TAG, PID_TAG, PID_START_TAG = "quantloop.host", "quantloop.pid", "quantloop.pid_start"
+# Where a research run's records live (its site's storage root, its catalog file, its
+# workspace as JSON): what finds them from the run alone.
+STORE_TAG, CATALOG_TAG, WORKSPACE_TAG = (
+    "quantloop.store",
+    "quantloop.catalog",
+    "quantloop.workspace",
+)
 
 
 def _owner_tags() -> dict[str, str]:
