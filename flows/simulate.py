@@ -4,31 +4,21 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from quantloop.profiling import inference
 from quantloop.tasks import plots, progress, simulation, storage, tracking, training
 from quantloop.tasks.engine import code_fingerprint
-from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import (
     SimConfig,
-    baseline_signal,
-    markout,
     paired_difference,
-    signal_column,
-    split_train_test,
+    replay_all,
+    split_markouts,
+    stack_markouts,
     summarize,
-    thresholds_from,
-)
-from quantloop.tasks.simulation import (
-    simulate as replay,
 )
 from quantloop.tasks.stage import (
-    FeatureOutput,
     StageParams,
     feature_outputs,
     keyed_output,
@@ -67,7 +57,7 @@ def simulate(
     predictor = inference.Predictor(model)
     key = output_key(
         "simulation",
-        code=code_fingerprint(simulation, training, inference, replay_all, _stack, _split),
+        code=code_fingerprint(simulation, training, inference),
         config=asdict(config),
         model=model_url.rsplit("/", 1)[-1],
         features=sorted(o.key for o in outputs.values()),
@@ -77,9 +67,10 @@ def simulate(
     )
     sim = keyed_output(
         stage.workspace.resolve_site().root, "simulation", key, ".parquet",
-        load=lambda url: _split(storage.read_parquet(url)),
-        compute=lambda: replay_all(predictor, outputs, config, stage.holdout_fraction),
-        save=lambda url, merged: storage.write_parquet_atomic(url, _stack(merged)),
+        load=lambda url: split_markouts(storage.read_parquet(url)),
+        compute=lambda: replay_all(predictor, {p: o.read() for p, o in outputs.items()}, config,
+                                   stage.holdout_fraction),
+        save=lambda url, merged: storage.write_parquet_atomic(url, stack_markouts(merged)),
     )  # fmt: skip
     merged = sim.value
     if sim.cache_hit:
@@ -146,7 +137,7 @@ def simulate(
                 )
             run.flush()
             run.tags({"simulation_key": key, "cache_hit": sim.cache_hit})
-            run.table(_stack(merged), "markouts.parquet", "markouts")
+            run.table(stack_markouts(merged), "markouts.parquet", "markouts")
             run.figure(
                 plots.markout_curve(
                     {"model": result.markout_bps, "baseline": result.baseline_markout_bps},
@@ -157,63 +148,6 @@ def simulate(
             )  # fmt: skip
             result.mlflow_run_id = run.run_id
     return result
-
-
-def replay_all(
-    predictor: inference.Predictor,
-    outputs: dict[Partition, FeatureOutput],
-    config: SimConfig,
-    holdout_fraction: float,
-) -> dict[str, dict[str, pa.Table]]:
-    """Mark-outs by signal ("model", "baseline") and product, over the held-out data; the
-    model's predictions come from `predictor` (profiling.inference: the fast path on a GPU
-    for a model trained with packing, tasks.training.predict otherwise)."""
-    tables = {p: o.read() for p, o in outputs.items()}
-    train_parts, test_parts = split_train_test(tables, holdout_fraction)
-    marks: dict[str, dict[str, list[pa.Table]]] = {"model": {}, "baseline": {}}
-    for product in sorted({p.product for p in tables}):
-        train_tables = [t for p, t in train_parts.items() if p.product == product]
-        test = [(p, t) for p, t in sorted(test_parts.items()) if p.product == product]
-        signals = {
-            "model": lambda t: signal_column(predictor(t), config),
-            "baseline": baseline_signal,
-        }
-        for name, signal_of in signals.items():
-            # Each product's threshold comes from its own training days: trading rates match.
-            threshold = thresholds_from(
-                np.concatenate([signal_of(t) for t in train_tables]), config
-            )
-            for part, table in test:
-                trades = replay(table, signal_of(table), threshold, config)
-                marked = markout(trades, table, config)
-                day = pa.array([part.date.isoformat()] * marked.num_rows, pa.string())
-                marks[name].setdefault(product, []).append(marked.append_column("day", day))
-    return {
-        name: {p: pa.concat_tables(ts) for p, ts in by_product.items()}
-        for name, by_product in marks.items()
-    }
-
-
-def _stack(merged: dict[str, dict[str, pa.Table]]) -> pa.Table:
-    """One table of every mark-out, with `signal` and `product` columns."""
-    parts = []
-    for name, by_product in merged.items():
-        for product, t in by_product.items():
-            n = t.num_rows
-            t = t.append_column("signal_name", pa.array([name] * n, pa.string()))
-            parts.append(t.append_column("product", pa.array([product] * n, pa.string())))
-    return pa.concat_tables(parts)
-
-
-def _split(table: pa.Table) -> dict[str, dict[str, pa.Table]]:
-    out: dict[str, dict[str, pa.Table]] = {}
-    for name in ("model", "baseline"):
-        rows = table.filter(pc.equal(table["signal_name"], name))
-        out[name] = {
-            p: rows.filter(pc.equal(rows["product"], p)).drop_columns(["signal_name", "product"])
-            for p in sorted(set(rows["product"].to_pylist()))
-        }
-    return out
 
 
 def _fmt(curve: dict[str, float]) -> str:

@@ -16,10 +16,8 @@ from quantloop.profiling import trainer
 from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.tasks import plots, progress, registry, storage, tracking, training
 from quantloop.tasks.engine import code_fingerprint, sha256_json
-from quantloop.tasks.features import feature_set
 from quantloop.tasks.provenance import code_digest
 from quantloop.tasks.schema import Partition
-from quantloop.tasks.simulation import split_train_test
 from quantloop.tasks.stage import (
     FeatureOutput,
     Keyed,
@@ -110,10 +108,8 @@ def train(
 
     def fit_now() -> TrainResult:
         tables = {p: o.read() for p, o in outputs.items()}
-        train_parts, _ = split_train_test(tables, stage.holdout_fraction)
-        layout = feature_set(stage.features)
-        return trainer.train_applied(
-            list(train_parts.values()), layout.inputs, layout.labels, config, plan
+        return trainer.train_on_features(
+            tables, stage.features, stage.holdout_fraction, config, plan
         )
 
     # load checks the weights against their stored digest
@@ -249,6 +245,7 @@ def _record(
             client, tracking_block.resolved_uri(), experiment, run.run_id, result,
             outputs[min(outputs)].read(), name=tracking_block.registered_model,
             model_key=model.key, tags={**digests, "train_run_id": run.run_id,
+                                       "research_run_id": parent_run_id,
                                        "train_config": json.dumps(asdict(config)),
                                        "rungs": ",".join(result.rungs) or "none",
                                        "ladder_result": json.dumps(result.ladder_result)},

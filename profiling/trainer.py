@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +40,9 @@ from quantloop.profiling.precision import apply_precision
 from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.profiling.rungs import Switches
 from quantloop.profiling.workload import TrainingSet, Windows
+from quantloop.tasks.features import FeatureParams, feature_set
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.simulation import split_train_test
 from quantloop.tasks.training import (
     TrainConfig,
     TrainingData,
@@ -76,6 +79,20 @@ def training_set(data: TrainingData, packing: bool) -> TrainingSet:
         max_len=data.windows.index.shape[1],
         packing=packing,
     )
+
+
+def train_on_features(
+    tables: Mapping[Partition, pa.Table],
+    features: FeatureParams,
+    holdout_fraction: float,
+    cfg: TrainConfig,
+    plan: Plan,
+) -> TrainResult:
+    """What the train stage fits: the training part of each partition's feature table
+    (the held-out part is never read), with `plan`'s rungs."""
+    train_parts, _ = split_train_test(dict(tables), holdout_fraction)
+    layout = feature_set(features)
+    return train_applied(list(train_parts.values()), layout.inputs, layout.labels, cfg, plan)
 
 
 def train_applied(

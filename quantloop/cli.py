@@ -247,6 +247,106 @@ def run(
         console.print(f"summary written to {summary_json}", soft_wrap=True)
 
 
+def _workspace(home: str | None, tracking_uri: str | None):
+    from quantloop.tasks.workspace import Workspace
+
+    values = {k: v for k, v in (("home", home), ("tracking_uri", tracking_uri)) if v is not None}
+    return Workspace(**values)
+
+
+def _write_json(path: Path | None, value: dict) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(value, indent=2, default=str))
+    os.replace(tmp, path)
+    console.print(f"summary written to {path}", soft_wrap=True)
+
+
+RunArgument = Annotated[
+    str, typer.Argument(help="The research run: its MLflow run id or its Prefect flow run id")
+]
+
+
+@app.command()
+def reproduce(
+    run: RunArgument,
+    sample: Annotated[
+        int, typer.Option(help="Feature nodes to re-run, drawn with a fixed seed; 0: all")
+    ] = 20,
+    models: Annotated[
+        bool, typer.Option("--models/--nodes-only", help="Also re-train the model and replay")
+    ] = True,
+    summary_json: Annotated[
+        Path | None, typer.Option("--summary-json", help="Also write the report here.")
+    ] = None,
+    home: HomeOption = None,
+    tracking_uri: TrackingUriOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Re-run a research run's nodes, model and simulation from their recorded inputs,
+    without the cache, and compare; exits 1 if anything does not reproduce."""
+    if not verbose:
+        quiet_console()
+    from quantloop.flows.reproduce import reproduce as reproduce_flow
+
+    try:
+        report = reproduce_flow(run, sample=sample or None, models=models,
+                                workspace=_workspace(home, tracking_uri))  # fmt: skip
+    except LookupError as exc:
+        fail(str(exc))
+    table = Table(title="Reproduction", box=box.SIMPLE_HEAD, collapse_padding=True)
+    for col in ("what", "of", "key", "reproduced", "reason"):
+        table.add_column(col, no_wrap=col != "reason")
+    for c in report["checks"]:
+        table.add_row(c["what"], c["label"], c["key"][:12], "yes" if c["reproduced"] else "NO",
+                      c["reason"])  # fmt: skip
+    console.print(table)
+    console.print(f"{report['nodes']} re-run, {report['failures']} failed: failure rate "
+                  f"{report['failure_rate']:.3f} ({report['seconds']:.1f} s)")  # fmt: skip
+    _write_json(summary_json, report)
+    if report["failures"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def promote(
+    run: RunArgument,
+    horizon: Annotated[str, typer.Option(help="Mark-out horizon the gate compares")] = "5s",
+    sample: Annotated[int, typer.Option(help="Feature nodes the reproduction gate re-runs")] = 20,
+    summary_json: Annotated[
+        Path | None, typer.Option("--summary-json", help="Also write the decision here.")
+    ] = None,
+    home: HomeOption = None,
+    tracking_uri: TrackingUriOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Move the `champion` alias to the run's model version if its gates pass (mark-out
+    not worse than the champion's beyond the standard errors, reproduced, ladder proven);
+    the decision and gate values are recorded on the version. Exits 1 when refused."""
+    if not verbose:
+        quiet_console()
+    from quantloop.flows.promote import promote as promote_flow
+
+    try:
+        decision = promote_flow(run, horizon=horizon, reproduce_sample=sample,
+                                workspace=_workspace(home, tracking_uri))  # fmt: skip
+    except LookupError as exc:
+        fail(str(exc))
+    for gate, values in decision["gates"].items():
+        verdict = "passed" if values["passed"] else "[bold red]failed[/bold red]"
+        console.print(f"{gate}: {verdict} ({values.get('why', values)})", soft_wrap=True)
+    time_s = decision.get("promotion_time_s")
+    console.print(
+        f"{decision['model']} version {decision['version']}: {decision['decision']}"
+        + (f" in {time_s:.1f} s after its research run" if time_s else "")
+    )
+    _write_json(summary_json, decision)
+    if decision["decision"] != "promoted":
+        raise typer.Exit(1)
+
+
 @app.command()
 def ladder(
     preset: Annotated[

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from quantloop.tasks.schema import Partition
 
@@ -277,3 +278,63 @@ def baseline_signal(features: pa.Table) -> np.ndarray:
     Only its sign and rank matter under the quantile threshold rule.
     """
     return _column(features, "imbalance_1") * BASELINE_SCALE_BPS
+
+
+# ---------------------------------------------------------------- replay of held-out data
+
+
+def replay_all(
+    predict: Callable[[pa.Table], np.ndarray],
+    tables: Mapping[Partition, pa.Table],
+    config: SimConfig,
+    holdout_fraction: float,
+) -> dict[str, dict[str, pa.Table]]:
+    """Mark-outs by signal ("model", "baseline") and product, over the held-out data of
+    each partition's feature table; the model's predictions (bps, [rows, labels]) come
+    from `predict` (profiling.inference: the fast path on a GPU for a model trained with
+    packing, tasks.training.predict otherwise)."""
+    train_parts, test_parts = split_train_test(tables, holdout_fraction)
+    marks: dict[str, dict[str, list[pa.Table]]] = {"model": {}, "baseline": {}}
+    for product in sorted({p.product for p in tables}):
+        train_tables = [t for p, t in train_parts.items() if p.product == product]
+        test = [(p, t) for p, t in sorted(test_parts.items()) if p.product == product]
+        signals = {
+            "model": lambda t: signal_column(predict(t), config),
+            "baseline": baseline_signal,
+        }
+        for name, signal_of in signals.items():
+            # Each product's threshold comes from its own training days: trading rates match.
+            threshold = thresholds_from(
+                np.concatenate([signal_of(t) for t in train_tables]), config
+            )
+            for part, table in test:
+                trades = simulate(table, signal_of(table), threshold, config)
+                marked = markout(trades, table, config)
+                day = pa.array([part.date.isoformat()] * marked.num_rows, pa.string())
+                marks[name].setdefault(product, []).append(marked.append_column("day", day))
+    return {
+        name: {p: pa.concat_tables(ts) for p, ts in by_product.items()}
+        for name, by_product in marks.items()
+    }
+
+
+def stack_markouts(merged: dict[str, dict[str, pa.Table]]) -> pa.Table:
+    """One table of every mark-out, with `signal` and `product` columns."""
+    parts = []
+    for name, by_product in merged.items():
+        for product, t in by_product.items():
+            n = t.num_rows
+            t = t.append_column("signal_name", pa.array([name] * n, pa.string()))
+            parts.append(t.append_column("product", pa.array([product] * n, pa.string())))
+    return pa.concat_tables(parts)
+
+
+def split_markouts(table: pa.Table) -> dict[str, dict[str, pa.Table]]:
+    out: dict[str, dict[str, pa.Table]] = {}
+    for name in ("model", "baseline"):
+        rows = table.filter(pc.equal(table["signal_name"], name))
+        out[name] = {
+            p: rows.filter(pc.equal(rows["product"], p)).drop_columns(["signal_name", "product"])
+            for p in sorted(set(rows["product"].to_pylist()))
+        }
+    return out

@@ -1,0 +1,155 @@
+"""The `reproduce` flow: re-run a research run's results from their recorded inputs,
+parameters and code, compare, and record the reproduction failure rate on the run.
+
+What is re-run: a sample of its feature nodes (or all), the model (same seed, data and
+rungs: the same weights digest on the same device class) and the simulation with the
+recorded model (mark-outs within MARKOUT_TOLERANCE_BPS). Nothing is read from or
+written to the cache: outputs are computed in this process and compared by digest.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from prefect import flow, get_run_logger
+from pydantic import TypeAdapter
+
+from quantloop.profiling import inference, trainer
+from quantloop.profiling.proof import plan_rungs
+from quantloop.tasks import progress, runs, storage, tracking
+from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.planning import feature_kind
+from quantloop.tasks.reproduce import (
+    Check,
+    Report,
+    check_nodes,
+    check_value,
+    manifest_rows,
+    markout_fingerprint,
+    sample_rows,
+)
+from quantloop.tasks.simulation import SimConfig, replay_all, summarize
+from quantloop.tasks.stage import StageParams, feature_outputs
+from quantloop.tasks.training import TrainConfig, load_model, resolve_device
+from quantloop.tasks.workspace import Workspace
+
+
+@flow(name="reproduce")
+def reproduce(
+    run: str,
+    sample: int | None = 20,
+    models: bool = True,
+    workspace: Workspace = Workspace(),
+) -> dict:
+    """Reproduce research run `run` (its MLflow run id or Prefect flow run id): `sample`
+    feature nodes (all: None), and with `models` the model and the simulation. Returns
+    {nodes, failures, failure_rate, checks, seconds}; the same goes to the run's MLflow
+    record as metrics and a reproduction.json artifact."""
+    t0 = time.perf_counter()
+    logger = get_run_logger()
+    client, _ = tracking.client_for(workspace.resolve_tracking())
+    research = runs.find_research_run(client, run)
+    tags = research.data.tags
+    stages = runs.stage_runs(client, research)
+    root, catalog = tags[tracking.STORE_TAG], Catalog(tags[tracking.CATALOG_TAG])
+    logger.info("reproducing research run %s (store %s)", research.info.run_id, root)
+
+    rows = manifest_rows(runs.manifest_tables(client, stages["features"].info.run_id))
+    kind = feature_kind()
+    checks: list[Check] = check_nodes(sample_rows(rows, sample), root=root, catalog=catalog,
+                                      kinds={kind.name: kind})  # fmt: skip
+    if models:
+        checks += _models(client, research, stages)
+    report = Report(checks)
+    summary = {**report.summary(), "run": research.info.run_id,
+               "seconds": time.perf_counter() - t0}  # fmt: skip
+    log = tracking.RunLog(client, research.info.run_id)
+    log.metrics({"reproduction.nodes": report.nodes, "reproduction.failures": report.failures,
+                 "reproduction.failure_rate": report.failure_rate})  # fmt: skip
+    log.flush()
+    log.json(summary, "reproduction.json", "reproduction")
+    line = (f"{report.nodes} results re-run, {report.failures} did not reproduce "
+            f"(failure rate {report.failure_rate:.3f})")  # fmt: skip
+    logger.info(line)
+    progress.note("reproduce", line)
+    for c in checks:
+        if not c.reproduced:
+            logger.warning("%s %s %s: %s", c.what, c.label, c.key[:12], c.reason)
+    return summary
+
+
+def _models(client, research, stages) -> list[Check]:
+    """The model trained again, and the simulation replayed with the recorded model."""
+    resolved = json.loads(runs.read_artifact(client, research.info.run_id,
+                                             "params/resolved_params.json"))  # fmt: skip
+    params = resolved["params"]
+    stage = StageParams(
+        workspace=Workspace.model_validate(json.loads(research.data.tags[tracking.WORKSPACE_TAG])),
+        selection=resolved["selection"], features=params["features"],
+        product_features=params["product_features"],
+        holdout_fraction=params["holdout_fraction"],
+    )  # fmt: skip
+    config = TypeAdapter(TrainConfig).validate_python(params["train"])
+    train_tags = stages["train"].data.tags
+    key, recorded_digest = train_tags["model_key"], train_tags["model_digest"]
+    model_url = stages["simulate"].data.params["model_url"]
+    checks = []
+    try:
+        outputs = feature_outputs(stage)
+    except LookupError as exc:
+        return [Check("model", key, "model", False, f"input gone: {exc}", recorded_digest, "")]
+    lineage = json.loads(
+        storage.read_bytes(
+            storage.join(research.data.tags[tracking.STORE_TAG], "lineage", "models", f"{key}.json")
+        )
+    )
+    if sorted(o.key for o in outputs.values()) != lineage["feature_keys"]:
+        checks.append(
+            Check(
+                "model",
+                key,
+                "model",
+                False,
+                "inputs changed since (other feature nodes in the catalog's current versions)",
+                recorded_digest,
+                "",
+            )
+        )
+    else:
+        rungs = [r for r in train_tags.get("rungs", "none").split(",") if r and r != "none"]
+        device = resolve_device(config.device)
+        trained_on = stages["train"].data.params.get("train.device", "auto")
+        plan = plan_rungs(tuple(rungs) if rungs else "none", device)
+
+        def weights() -> str:
+            tables = {p: o.read() for p, o in outputs.items()}
+            return trainer.train_on_features(tables, stage.features, stage.holdout_fraction,
+                                             config, plan).model_digest  # fmt: skip
+
+        check = check_value("model", key, f"model on {device.type}", recorded_digest, weights)
+        recorded_device = torch.device(load_model(model_url).device).type
+        if not check.reproduced and recorded_device != device.type:
+            check = Check("model", key, check.label, True,
+                          f"trained on {recorded_device}, re-run on {device.type} ({trained_on}): "
+                          "weights not compared bit for bit; the simulation below is",
+                          recorded_digest, check.now)  # fmt: skip
+        checks.append(check)
+
+    sim_run = stages["simulate"]
+    sim_config = TypeAdapter(SimConfig).validate_python(params["simulation"])
+    recorded = {h: sim_run.data.metrics[f"model.total.markout_bps.{h}"]
+                for h in sim_config.horizon_keys()}  # fmt: skip
+
+    def markouts() -> str:
+        model = load_model(model_url, device=str(resolve_device("auto")))
+        predictor = inference.Predictor(model)
+        tables = {p: o.read() for p, o in outputs.items()}
+        merged = replay_all(predictor, tables, sim_config, stage.holdout_fraction)
+        return markout_fingerprint(summarize(merged["model"])["total"]["mean_bps"])
+
+    checks.append(check_value("simulation", sim_run.data.tags.get("simulation_key", ""),
+                              "simulation (model mark-out)", markout_fingerprint(recorded),
+                              markouts))  # fmt: skip
+    return checks
