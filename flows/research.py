@@ -22,6 +22,7 @@ from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
 from quantloop.tasks import progress, tracking
 from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.form import FeatureForm, HoldoutFraction, ProductFeatures, SimForm, TrainForm
 from quantloop.tasks.landing import business_days, land_lobster, land_synthetic, read_lobster_folder
 from quantloop.tasks.nodes import sha256_json
 from quantloop.tasks.planning import normalized_overrides, product_params
@@ -46,12 +47,15 @@ class DataSource(BaseModel):
 
     lobster_dir: str | None = Field(
         default=None,
-        description="Folder (or file) of LOBSTER zips or message/orderbook CSV pairs. "
-        "Empty: generate synthetic order books.",
+        title="LOBSTER folder",
+        description="Folder (or one file) of LOBSTER zips or message/orderbook CSV pairs, on "
+        "the worker; every file is validated before anything lands. None: synthetic order "
+        "books, as set below.",
     )
     products: list[str] = Field(
         default=["SYNA", "SYNB", "SYNC"],
         min_length=1,
+        title="Products",
         description="Synthetic products to generate (at least one; letters, digits, '.', "
         "'_', '-').",
     )
@@ -59,13 +63,21 @@ class DataSource(BaseModel):
         default=dt.date(2026, 3, 2),
         ge=FIRST_DATE,
         le=LAST_DATE,
-        description=f"First synthetic date ({FIRST_DATE} to {LAST_DATE}).",
+        title="First date",
+        description=f"First synthetic trading day ({FIRST_DATE} to {LAST_DATE}).",
     )
     n_dates: int = Field(
-        default=4, ge=2, le=10_000, description="Synthetic trading days per product (2 to 10,000)."
+        default=4,
+        ge=2,
+        le=10_000,
+        title="Trading days",
+        description="Synthetic trading days per product, weekdays from the first date "
+        "(2 to 10,000).",
     )
     synthetic: SyntheticConfig = Field(
-        default_factory=SyntheticConfig, description="Synthetic generator settings."
+        default=SyntheticConfig(),
+        title="Synthetic generator",
+        description="How the synthetic order books are generated (ignored with a LOBSTER folder).",
     )
 
     @field_validator("products")
@@ -84,19 +96,42 @@ class ResearchParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    workspace: Workspace = Field(default_factory=Workspace)
-    data: DataSource = Field(default_factory=DataSource)
-    features: FeatureParams = Field(default_factory=FeatureParams)
-    product_features: dict[str, dict] = Field(
-        default_factory=dict,
-        description="Per-product feature overrides, e.g. {'SYNA': {'ofi_window': 20}}.",
+    workspace: Workspace = Field(
+        default=Workspace(),
+        title="Workspace",
+        description="Where the data, node outputs and records live: a site, MLflow tracking "
+        "and a catalog (saved blocks), or the embedded defaults under a home folder.",
     )
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    simulation: SimConfig = Field(default_factory=SimConfig)
-    holdout_fraction: float = Field(
-        default=0.3, gt=0, lt=1, description="Share of dates (or of the day) held out."
+    data: DataSource = Field(
+        default=DataSource(),
+        title="Data",
+        description="The order books: LOBSTER files, or the synthetic generator.",
     )
-    shard_size: int = Field(default=50_000, ge=1, description="Nodes per Prefect shard task.")
+    features: FeatureForm = Field(
+        default=FeatureParams(),
+        title="Features",
+        description="The feature node's parameters (one node per product and date).",
+    )
+    product_features: ProductFeatures = {}
+    train: TrainForm = Field(
+        default=TrainConfig(),
+        title="Training",
+        description="How the model is trained on the training part of every product.",
+    )
+    simulation: SimForm = Field(
+        default=SimConfig(),
+        title="Simulation",
+        description="How the held-out part is replayed and marked out.",
+    )
+    holdout_fraction: HoldoutFraction = 0.3
+    shard_size: int = Field(
+        default=50_000,
+        ge=1,
+        le=10_000_000,
+        title="Shard size (nodes)",
+        description="Feature nodes per Prefect task (1 to 10,000,000): the UI shows one task "
+        "per shard, never one per node.",
+    )
 
     @model_validator(mode="after")
     def _overrides(self) -> ResearchParams:
@@ -196,7 +231,12 @@ def stage_heartbeats_off():
 
 @flow(name="research")
 def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
-    """The whole loop on the selected data; returns the run summary (also in MLflow)."""
+    """The whole loop on the selected data; returns the run summary (also in MLflow).
+
+    Args:
+        params: Everything the run depends on; every field says what it is, its unit
+            and its bounds.
+    """
     t0 = time.perf_counter()
     logger = get_run_logger()
     ws = params.workspace

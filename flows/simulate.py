@@ -11,6 +11,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from quantloop.tasks import plots, progress, simulation, storage, tracking, training
+from quantloop.tasks.form import SimForm
 from quantloop.tasks.nodes import code_fingerprint
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import (
@@ -50,10 +51,19 @@ class SimSummary(BaseModel):
 def simulate(
     model_url: str,
     stage: StageParams = StageParams(),
-    config: SimConfig = SimConfig(),
+    config: SimForm = SimConfig(),
     parent_run_id: str | None = None,
 ) -> SimSummary:
-    """Replay the held-out part of every selected partition with the model and the baseline."""
+    """Replay the held-out part of every selected partition with the model and the baseline.
+
+    Args:
+        model_url: A stored model (a train run's model_url: <storage root>/models/<key>.pt).
+        stage: The workspace, the partitions and their feature parameters (the features
+            must be computed).
+        config: When the signal trades and the mark-out horizons.
+        parent_run_id: An MLflow run to record under as a child run "simulate"; empty:
+            nothing is recorded.
+    """
     logger = get_run_logger()
     outputs = feature_outputs(stage)
     key = output_key(

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from quantloop.models import orderbook
 from quantloop.tasks import plots, progress, storage, tracking, training
 from quantloop.tasks.features import feature_set
+from quantloop.tasks.form import TrainForm
 from quantloop.tasks.nodes import code_fingerprint, sha256_json
 from quantloop.tasks.simulation import split_train_test
 from quantloop.tasks.stage import (
@@ -59,10 +60,18 @@ def model_key(config: TrainConfig, feature_keys: list[str], holdout_fraction: fl
 @flow(name="train")
 def train(
     stage: StageParams = StageParams(),
-    config: TrainConfig = TrainConfig(),
+    config: TrainForm = TrainConfig(),
     parent_run_id: str | None = None,
 ) -> TrainSummary:
-    """Train on every selected partition's training part (the held-out part is not read)."""
+    """Train on every selected partition's training part (the held-out part is not read).
+
+    Args:
+        stage: The workspace, the partitions and the feature parameters their features
+            were computed with (run the features flow on them first).
+        config: How the model is trained.
+        parent_run_id: An MLflow run to record under as a child run "train"; empty:
+            nothing is recorded.
+    """
     logger = get_run_logger()
     outputs = feature_outputs(stage)
     site = stage.workspace.resolve_site()
