@@ -11,7 +11,11 @@ import time
 from dataclasses import asdict
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
@@ -30,7 +34,7 @@ from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import SimConfig
 from quantloop.tasks.stage import StageParams
-from quantloop.tasks.summary import ResearchSummary, markout_table
+from quantloop.tasks.summary import ResearchSummary, markout_table, product_table
 from quantloop.tasks.synthetic import SyntheticConfig
 from quantloop.tasks.training import TrainConfig
 from quantloop.tasks.workspace import Selection, Workspace
@@ -211,11 +215,15 @@ def land_data(params: ResearchParams) -> Selection:
     return Selection(dataset=dataset, products=products, start=dates[0], end=dates[-1])
 
 
-def mlflow_link(uri: str, experiment_id: str, run_id: str) -> str:
-    if uri.startswith(("http://", "https://")):
-        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+def mlflow_link(tracking_block, experiment_id: str, run_id: str) -> str:
+    """A markdown link to the run's page in the MLflow UI, or, for a store no UI is known
+    to serve, how to open one."""
+    url = tracking_block.run_url(experiment_id, run_id)
+    if url is not None:
+        return f"[{run_id}]({url})"
     return (
-        f"`mlflow ui --backend-store-uri {uri}`, then /#/experiments/{experiment_id}/runs/{run_id}"
+        f"`{run_id}`: `mlflow ui --backend-store-uri {tracking_block.resolved_uri()}`, then "
+        f"/#/experiments/{experiment_id}/runs/{run_id}"
     )
 
 
@@ -229,6 +237,47 @@ def stage_heartbeats_off():
         yield
 
 
+# Where each stage starts on the run's progress bar (percent), roughly by its share of
+# a default run's time here.
+STAGE_START = {"data": 0.0, "features": 10.0, "train": 40.0, "simulate": 85.0}
+REPORT_EVERY_S = 5.0
+
+
+class RunFeedback:
+    """What the research run shows of its stages in the Prefect UI while it runs: a log
+    line when a stage starts, each stage's notes, its counts every few seconds, and a
+    progress artifact on the run. (Stage flows run in this process, so their reports
+    reach it; their own logs stay on their own runs.)"""
+
+    def __init__(self, logger) -> None:
+        self.logger = logger
+        self.artifact = None
+        self.last: dict[str, float] = {}
+
+    def start(self, stage: str, detail: str = "") -> None:
+        self.logger.info("%s: started%s", stage, f" ({detail})" if detail else "")
+        self._progress(STAGE_START[stage], f"{stage} running")
+
+    def finish(self) -> None:
+        self._progress(100.0, "done")
+
+    def _progress(self, percent: float, what: str) -> None:
+        description = f"Research run: data, features, train, simulate; now: {what}"
+        if self.artifact is None:
+            self.artifact = create_progress_artifact(percent, description=description)
+        else:
+            update_progress_artifact(self.artifact, percent, description=description)
+
+    def report(self, stage: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - self.last.get(stage, 0.0) >= REPORT_EVERY_S:
+            self.last[stage] = now
+            self.logger.info("%s: %s of %s", stage, f"{done:,}", f"{total:,}")
+
+    def note(self, stage: str, message: str) -> None:
+        self.logger.info("%s: %s", stage, message)
+
+
 @flow(name="research")
 def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
     """The whole loop on the selected data; returns the run summary (also in MLflow).
@@ -237,6 +286,14 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
         params: Everything the run depends on; every field says what it is, its unit
             and its bounds.
     """
+    feedback = RunFeedback(get_run_logger())
+    with progress.adding(feedback):
+        summary = research_loop(params, feedback)
+    feedback.finish()
+    return summary
+
+
+def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSummary:
     t0 = time.perf_counter()
     logger = get_run_logger()
     ws = params.workspace
@@ -245,6 +302,7 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
     client, experiment = tracking.client_for(tracking_block)
     for dead in tracking.close_dead_runs(client, experiment):
         logger.warning("MLflow run %s was left RUNNING by a process that died: marked KILLED", dead)
+    feedback.start("data", params.data.lobster_dir or "synthetic")
     selection = land_data(params)
     entries = selection.entries(ws.catalog())
     data_digest = sha256_json(sorted((str(e.partition), e.digest) for e in entries))
@@ -273,9 +331,12 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
         parent.tags(tags)
         parent.flush()
         with stage_heartbeats_off():
+            feedback.start("features", f"{len(entries):,} nodes on site {site.name}")
             feats = features_flow(stage, shard_size=params.shard_size,
                                   parent_run_id=parent.run_id)  # fmt: skip
+            feedback.start("train", f"{params.train.steps:,} steps")
             trained = train_flow(stage, params.train, parent_run_id=parent.run_id)
+            feedback.start("simulate", f"{len(selection.products or []):,} products")
             sim = simulate_flow(trained.model_url, stage, params.simulation,
                                 parent_run_id=parent.run_id)  # fmt: skip
         wall_s = time.perf_counter() - t0
@@ -328,7 +389,7 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
         wall_s=time.perf_counter() - t0,
     )
     links = {
-        name: mlflow_link(summary.tracking_uri, experiment, rid)
+        name: mlflow_link(tracking_block, experiment, rid)
         for name, rid in {"research": run_id, **summary.mlflow_stage_runs}.items()
         if rid
     }
@@ -351,6 +412,9 @@ def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
             "",
             "## Mark-out (bps, held-out data)",
             markout_table(summary).markdown(),
+            "",
+            "## Per product",
+            product_table(summary).markdown(),
             "",
             "## MLflow runs",
             *(f"- {name}: {link}" for name, link in links.items()),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+from typing import Annotated
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -21,6 +22,8 @@ from quantloop.blocks.tracking import MlflowTracking
 from quantloop.tasks.catalog import Catalog, Entry
 
 DEFAULT_HOME = ".quantloop"
+# A saved block given by its name (JSON, the CLI, prefect.yaml); the UI labels the choice.
+BlockName = Annotated[str, Field(title="By name")]
 # Set by `quantloop serve` for the flows its worker runs: the MLflow UI it serves and
 # the store it serves, so summaries of runs recorded in that store link to their pages.
 MLFLOW_UI_URL_ENV, MLFLOW_UI_STORE_ENV = "QUANTLOOP_MLFLOW_UI_URL", "QUANTLOOP_MLFLOW_UI_STORE"
@@ -42,7 +45,7 @@ class Workspace(BaseModel):
         "and the MLflow store of runs without blocks. Relative paths are relative to the "
         "worker's working directory (the checkout).",
     )
-    site: Site | str | None = Field(
+    site: Site | BlockName | None = Field(
         default=None,
         title="Site",
         description="Where nodes run and outputs are stored: a saved quantloop Site block "
@@ -56,13 +59,13 @@ class Workspace(BaseModel):
         title="Local workers",
         description="Processes of the LocalCluster when no site is chosen (1 to 256).",
     )
-    tracking: MlflowTracking | str | None = Field(
+    tracking: MlflowTracking | BlockName | None = Field(
         default=None,
         title="MLflow tracking",
         description="Where runs are recorded: a saved quantloop MLflow Tracking block (pick "
         "one, or give its name). None: the MLflow store in the home folder.",
     )
-    data_catalog: DataCatalog | str | None = Field(
+    data_catalog: DataCatalog | BlockName | None = Field(
         default=None,
         title="Data catalog",
         description="The partition catalog: a saved quantloop Data Catalog block (pick one, "

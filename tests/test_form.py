@@ -91,7 +91,7 @@ def test_site_tracking_and_catalog_are_block_pickers_or_names():
         refs = [v["$ref"].rsplit("/", 1)[-1] for v in variants if "$ref" in v]
         assert refs == [block.__name__], field
         assert definitions[refs[0]]["block_type_slug"] == block.get_block_type_slug()
-        assert {"type": "string"} in variants and {"type": "null"} in variants
+        assert {"type": "string", "title": "By name"} in variants and {"type": "null"} in variants
 
 
 def test_the_per_product_override_is_typed_and_offers_what_may_differ():
