@@ -9,6 +9,7 @@ import contextlib
 import datetime as dt
 import time
 from dataclasses import asdict
+from typing import Annotated
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
@@ -49,7 +50,7 @@ class DataSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lobster_dir: str | None = Field(
+    lobster_dir: Annotated[str, Field(title="Folder")] | None = Field(
         default=None,
         title="LOBSTER folder",
         description="Folder (or one file) of LOBSTER zips or message/orderbook CSV pairs, on "

@@ -71,7 +71,7 @@ class Workspace(BaseModel):
         description="The partition catalog: a saved quantloop Data Catalog block (pick one, "
         "or give its name). None: catalog.sqlite in the home folder.",
     )
-    tracking_uri: str | None = Field(
+    tracking_uri: Annotated[str, Field(title="URI")] | None = Field(
         default=None,
         title="MLflow tracking URI",
         description="An MLflow tracking URI (http://host:5000 or sqlite:///path) that "
