@@ -294,8 +294,15 @@ def deploy(
     Creates their work pools (process pools) when missing; refuses, changing nothing,
     when a deployment exists with other settings, naming each difference (--replace).
     """
+    from prefect.settings import PREFECT_API_URL
+
     from quantloop.deploy import PREFECT_YAML, DeploymentConflict, apply, read_deployments
 
+    if not PREFECT_API_URL.value():
+        # Prefect would start a temporary server and deploy there, to be lost on exit.
+        fail(
+            "PREFECT_API_URL is not set: `prefect config set PREFECT_API_URL=http://HOST:4200/api`"
+        )
     specs = read_deployments(prefect_file or PREFECT_YAML)
     if only:
         unknown = set(only) - {d.full_name for d in specs}
