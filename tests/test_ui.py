@@ -166,7 +166,7 @@ def save_site(api: str, name: str, root: Path) -> None:
 @pytest.mark.server
 def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path):
     from mlflow.tracking import MlflowClient
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     browser_path = chromium()
     home, deployments = tmp_path / "home", tiny_deployments(tmp_path / "prefect.yaml")
@@ -196,14 +196,14 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path):
                 "Mark-out horizons (seconds) (Optional)",
                 "Where to train: auto = the GPU when the worker has one, else CPU.",
             ):
-                assert page.get_by_text(shown).first.is_visible(), shown
+                expect(page.get_by_text(shown).first).to_be_visible()
             assert field(page, "Trading days").input_value() == "2"
 
             # The site is a picker of saved blocks; the run keeps the default (None).
             site = field_box(page, "Site")
             site.get_by_role("tab", name="Site", exact=True).click()
             site.get_by_text("Select a block...").click()
-            assert "onprem-test" in page.get_by_role("option").all_inner_texts()
+            expect(page.get_by_role("option", name="onprem-test")).to_be_visible()
             page.keyboard.press("Escape")
             site.get_by_role("tab", name="None", exact=True).click()
 
@@ -239,7 +239,8 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path):
             page.get_by_role("tab", name="Artifacts").click()
             page.get_by_role("link", name="research-summary").first.click()
             page.get_by_role("heading", name="Per product").wait_for()
-            assert page.get_by_role("cell", name="SYNA").count() == 2  # model and baseline
+            # The markdown renders after its heading appears: wait for the rows.
+            expect(page.get_by_role("cell", name="SYNA", exact=True)).to_have_count(2)
             research_link = page.get_by_role("listitem").filter(has_text="research:")
             research_link.get_by_role("link").click()
             page.wait_for_url(served.mlflow + "/**")
