@@ -39,6 +39,13 @@ class MlflowTracking(Block):
         "decides its own). Default: beside the SQLite file.",
     )
 
+    ui_url: str | None = Field(
+        default=None,
+        description="Where people open these runs in a browser (an MLflow server or `mlflow "
+        "ui` over this store, http://host:5000); run summaries link there. Empty: the "
+        "tracking URI when it is http(s).",
+    )
+
     username: str | None = Field(
         default=None,
         description="User for a tracking server started with MLflow's basic auth "
@@ -56,6 +63,15 @@ class MlflowTracking(Block):
         if self.tracking_uri.startswith(prefix) and not self.tracking_uri.startswith(prefix + "/"):
             return prefix + os.path.abspath(self.tracking_uri[len(prefix) :])
         return self.tracking_uri
+
+    def run_url(self, experiment_id: str, run_id: str) -> str | None:
+        """A run's page in the MLflow UI, or None when no UI is known for this store."""
+        base = self.ui_url or (
+            self.tracking_uri if self.tracking_uri.startswith(("http://", "https://")) else None
+        )
+        if base is None:
+            return None
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
     def resolved_artifact_location(self) -> str | None:
         if self.artifact_location:

@@ -136,6 +136,14 @@ def features(
 
     With `parent_run_id`, records a "features" MLflow child run: counts, throughput,
     the hashes, and the node manifest as a Parquet artifact.
+
+    Args:
+        stage: The workspace, the partitions (products x dates of a landed dataset) and
+            the feature parameters.
+        shard_size: Feature nodes per Prefect task (>= 1): the UI shows one task per
+            shard, never one per node.
+        parent_run_id: An MLflow run to record under as a child run "features"; empty:
+            nothing is recorded.
     """
     t0 = time.perf_counter()
     logger = get_run_logger()

@@ -9,9 +9,14 @@ import contextlib
 import datetime as dt
 import time
 from dataclasses import asdict
+from typing import Annotated
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
@@ -24,13 +29,14 @@ from quantloop.profiling.proof import plan_rungs
 from quantloop.tasks import progress, storage, tracking
 from quantloop.tasks.engine import sha256_json
 from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.form import FeatureForm, HoldoutFraction, ProductFeatures, SimForm, TrainForm
 from quantloop.tasks.landing import business_days, land_lobster, land_synthetic, read_lobster_folder
 from quantloop.tasks.planning import normalized_overrides, product_params
 from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import SimConfig
 from quantloop.tasks.stage import StageParams
-from quantloop.tasks.summary import ResearchSummary, markout_table
+from quantloop.tasks.summary import ResearchSummary, markout_table, product_table
 from quantloop.tasks.synthetic import SyntheticConfig
 from quantloop.tasks.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
 from quantloop.tasks.training import TrainConfig, resolve_device
@@ -46,14 +52,17 @@ class DataSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lobster_dir: str | None = Field(
+    lobster_dir: Annotated[str, Field(title="Folder")] | None = Field(
         default=None,
-        description="Folder (or file) of LOBSTER zips or message/orderbook CSV pairs. "
-        "Empty: generate synthetic order books.",
+        title="LOBSTER folder",
+        description="Folder (or one file) of LOBSTER zips or message/orderbook CSV pairs, on "
+        "the worker; every file is validated before anything lands. None: synthetic order "
+        "books, as set below.",
     )
     products: list[str] = Field(
         default=["SYNA", "SYNB", "SYNC"],
         min_length=1,
+        title="Products",
         description="Synthetic products to generate (at least one; letters, digits, '.', "
         "'_', '-').",
     )
@@ -61,13 +70,21 @@ class DataSource(BaseModel):
         default=dt.date(2026, 3, 2),
         ge=FIRST_DATE,
         le=LAST_DATE,
-        description=f"First synthetic date ({FIRST_DATE} to {LAST_DATE}).",
+        title="First date",
+        description=f"First synthetic trading day ({FIRST_DATE} to {LAST_DATE}).",
     )
     n_dates: int = Field(
-        default=4, ge=2, le=10_000, description="Synthetic trading days per product (2 to 10,000)."
+        default=4,
+        ge=2,
+        le=10_000,
+        title="Trading days",
+        description="Synthetic trading days per product, weekdays from the first date "
+        "(2 to 10,000).",
     )
     synthetic: SyntheticConfig = Field(
-        default_factory=SyntheticConfig, description="Synthetic generator settings."
+        default=SyntheticConfig(),
+        title="Synthetic generator",
+        description="How the synthetic order books are generated (ignored with a LOBSTER folder).",
     )
 
     @field_validator("products")
@@ -86,19 +103,42 @@ class ResearchParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    workspace: Workspace = Field(default_factory=Workspace)
-    data: DataSource = Field(default_factory=DataSource)
-    features: FeatureParams = Field(default_factory=FeatureParams)
-    product_features: dict[str, dict] = Field(
-        default_factory=dict,
-        description="Per-product feature overrides, e.g. {'SYNA': {'ofi_window': 20}}.",
+    workspace: Workspace = Field(
+        default=Workspace(),
+        title="Workspace",
+        description="Where the data, node outputs and records live: a site, MLflow tracking "
+        "and a catalog (saved blocks), or the embedded defaults under a home folder.",
     )
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    simulation: SimConfig = Field(default_factory=SimConfig)
-    holdout_fraction: float = Field(
-        default=0.3, gt=0, lt=1, description="Share of dates (or of the day) held out."
+    data: DataSource = Field(
+        default=DataSource(),
+        title="Data",
+        description="The order books: LOBSTER files, or the synthetic generator.",
     )
-    shard_size: int = Field(default=50_000, ge=1, description="Nodes per Prefect shard task.")
+    features: FeatureForm = Field(
+        default=FeatureParams(),
+        title="Features",
+        description="The feature node's parameters (one node per product and date).",
+    )
+    product_features: ProductFeatures = {}
+    train: TrainForm = Field(
+        default=TrainConfig(),
+        title="Training",
+        description="How the model is trained on the training part of every product.",
+    )
+    simulation: SimForm = Field(
+        default=SimConfig(),
+        title="Simulation",
+        description="How the held-out part is replayed and marked out.",
+    )
+    holdout_fraction: HoldoutFraction = 0.3
+    shard_size: int = Field(
+        default=50_000,
+        ge=1,
+        le=10_000_000,
+        title="Shard size (nodes)",
+        description="Feature nodes per Prefect task (1 to 10,000,000): the UI shows one task "
+        "per shard, never one per node.",
+    )
 
     @model_validator(mode="after")
     def _overrides(self) -> ResearchParams:
@@ -185,11 +225,15 @@ def land_data(params: ResearchParams) -> Selection:
     return Selection(dataset=dataset, products=products, start=dates[0], end=dates[-1])
 
 
-def mlflow_link(uri: str, experiment_id: str, run_id: str) -> str:
-    if uri.startswith(("http://", "https://")):
-        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+def mlflow_link(tracking_block, experiment_id: str, run_id: str) -> str:
+    """A markdown link to the run's page in the MLflow UI, or, for a store no UI is known
+    to serve, how to open one."""
+    url = tracking_block.run_url(experiment_id, run_id)
+    if url is not None:
+        return f"[{run_id}]({url})"
     return (
-        f"`mlflow ui --backend-store-uri {uri}`, then /#/experiments/{experiment_id}/runs/{run_id}"
+        f"`{run_id}`: `mlflow ui --backend-store-uri {tracking_block.resolved_uri()}`, then "
+        f"/#/experiments/{experiment_id}/runs/{run_id}"
     )
 
 
@@ -203,9 +247,63 @@ def stage_heartbeats_off():
         yield
 
 
+# Where each stage starts on the run's progress bar (percent), roughly by its share of
+# a default run's time here.
+STAGE_START = {"data": 0.0, "features": 10.0, "train": 40.0, "simulate": 85.0}
+REPORT_EVERY_S = 5.0
+
+
+class RunFeedback:
+    """What the research run shows of its stages in the Prefect UI while it runs: a log
+    line when a stage starts, each stage's notes, its counts every few seconds, and a
+    progress artifact on the run. (Stage flows run in this process, so their reports
+    reach it; their own logs stay on their own runs.)"""
+
+    def __init__(self, logger) -> None:
+        self.logger = logger
+        self.artifact = None
+        self.last: dict[str, float] = {}
+
+    def start(self, stage: str, detail: str = "") -> None:
+        self.logger.info("%s: started%s", stage, f" ({detail})" if detail else "")
+        self._progress(STAGE_START[stage], f"{stage} running")
+
+    def finish(self) -> None:
+        self._progress(100.0, "done")
+
+    def _progress(self, percent: float, what: str) -> None:
+        description = f"Research run: data, features, train, simulate; now: {what}"
+        if self.artifact is None:
+            self.artifact = create_progress_artifact(percent, description=description)
+        else:
+            update_progress_artifact(self.artifact, percent, description=description)
+
+    def report(self, stage: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - self.last.get(stage, 0.0) >= REPORT_EVERY_S:
+            self.last[stage] = now
+            self.logger.info("%s: %s of %s", stage, f"{done:,}", f"{total:,}")
+
+    def note(self, stage: str, message: str) -> None:
+        self.logger.info("%s: %s", stage, message)
+
+
 @flow(name="research")
 def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
-    """The whole loop on the selected data; returns the run summary (also in MLflow)."""
+    """The whole loop on the selected data; returns the run summary (also in MLflow).
+
+    Args:
+        params: Everything the run depends on; every field says what it is, its unit
+            and its bounds.
+    """
+    feedback = RunFeedback(get_run_logger())
+    with progress.adding(feedback):
+        summary = research_loop(params, feedback)
+    feedback.finish()
+    return summary
+
+
+def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSummary:
     t0 = time.perf_counter()
     logger = get_run_logger()
     ws = params.workspace
@@ -214,6 +312,7 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
     client, experiment = tracking.client_for(tracking_block)
     for dead in tracking.close_dead_runs(client, experiment):
         logger.warning("MLflow run %s was left RUNNING by a process that died: marked KILLED", dead)
+    feedback.start("data", params.data.lobster_dir or "synthetic")
     selection = land_data(params)
     entries = selection.entries(ws.catalog())
     data_digest = sha256_json(sorted((str(e.partition), e.digest) for e in entries))
@@ -266,9 +365,12 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
                        source=storage.join(site.root, "datasets", selection.dataset),
                        rows=len(entries))  # fmt: skip
         with stage_heartbeats_off():
+            feedback.start("features", f"{len(entries):,} nodes on site {site.name}")
             feats = features_flow(stage, shard_size=params.shard_size,
                                   parent_run_id=parent.run_id)  # fmt: skip
+            feedback.start("train", f"{params.train.steps:,} steps")
             trained = train_flow(stage, params.train, parent_run_id=parent.run_id)
+            feedback.start("simulate", f"{len(selection.products or []):,} products")
             sim = simulate_flow(trained.model_url, stage, params.simulation,
                                 parent_run_id=parent.run_id)  # fmt: skip
         wall_s = time.perf_counter() - t0
@@ -331,7 +433,7 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
         inference_samples_per_s=sim.inference_samples_per_s,
     )
     links = {
-        name: mlflow_link(summary.tracking_uri, experiment, rid)
+        name: mlflow_link(tracking_block, experiment, rid)
         for name, rid in {"research": run_id, **summary.mlflow_stage_runs}.items()
         if rid
     }
@@ -354,6 +456,9 @@ def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
             "",
             "## Mark-out (bps, held-out data)",
             markout_table(summary).markdown(),
+            "",
+            "## Per product",
+            product_table(summary).markdown(),
             "",
             "## MLflow runs",
             *(f"- {name}: {link}" for name, link in links.items()),

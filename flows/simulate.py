@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from quantloop.profiling import inference
 from quantloop.tasks import plots, progress, simulation, storage, tracking, training
 from quantloop.tasks.engine import code_fingerprint
+from quantloop.tasks.form import SimForm
 from quantloop.tasks.simulation import (
     SimConfig,
     paired_difference,
@@ -47,10 +48,19 @@ class SimSummary(BaseModel):
 def simulate(
     model_url: str,
     stage: StageParams = StageParams(),
-    config: SimConfig = SimConfig(),
+    config: SimForm = SimConfig(),
     parent_run_id: str | None = None,
 ) -> SimSummary:
-    """Replay the held-out part of every selected partition with the model and the baseline."""
+    """Replay the held-out part of every selected partition with the model and the baseline.
+
+    Args:
+        model_url: A stored model (a train run's model_url: <storage root>/models/<key>.pt).
+        stage: The workspace, the partitions and their feature parameters (the features
+            must be computed).
+        config: When the signal trades and the mark-out horizons.
+        parent_run_id: An MLflow run to record under as a child run "simulate"; empty:
+            nothing is recorded.
+    """
     logger = get_run_logger()
     outputs = feature_outputs(stage)
     model = load_model(model_url, device=str(training.resolve_device("auto")))

@@ -16,6 +16,7 @@ from quantloop.profiling import trainer
 from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.tasks import plots, progress, registry, storage, tracking, training
 from quantloop.tasks.engine import code_fingerprint, sha256_json
+from quantloop.tasks.form import TrainForm
 from quantloop.tasks.provenance import code_digest
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.stage import (
@@ -95,10 +96,18 @@ def plan_for(stage: StageParams, config: TrainConfig) -> Plan:
 @flow(name="train")
 def train(
     stage: StageParams = StageParams(),
-    config: TrainConfig = TrainConfig(),
+    config: TrainForm = TrainConfig(),
     parent_run_id: str | None = None,
 ) -> TrainSummary:
-    """Train on every selected partition's training part (the held-out part is not read)."""
+    """Train on every selected partition's training part (the held-out part is not read).
+
+    Args:
+        stage: The workspace, the partitions and the feature parameters their features
+            were computed with (run the features flow on them first).
+        config: How the model is trained.
+        parent_run_id: An MLflow run to record under as a child run "train"; empty:
+            nothing is recorded.
+    """
     logger = get_run_logger()
     outputs = feature_outputs(stage)
     site = stage.workspace.resolve_site()

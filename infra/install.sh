@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv with quantloop in it; README's two commands start with this.
 #   bash infra/install.sh          the package (to run flows and the CLI)
-#   bash infra/install.sh --dev    also what the tests and lint need
+#   bash infra/install.sh --dev    also what the tests and lint need, and Debian's
+#                                  chromium for the browser test (apt-get, as root)
 # Without an NVIDIA GPU it installs PyTorch's CPU build first (TORCH_SPEC, default
 # torch==2.13.0, which these machines hold as a local CPU wheel); with one, pip
 # resolves pyproject's torch range to the CUDA build a GPU user wants.
@@ -27,4 +28,17 @@ fi
 # Everything else in one resolve: installed one by one, moto pulls a botocore
 # that s3fs's aiobotocore rejects.
 "${pip[@]}" -e ".${extras}"
+# tests/test_ui.py drives Debian's chromium through Playwright (Playwright's own browser
+# download fetches from outside the package registries, which fails on these machines).
+if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "install: installing Debian's chromium for the browser test (20-40 s)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "install: chromium is missing and apt-get needs root here: run" \
+      "'sudo apt-get install chromium', or tests/test_ui.py fails saying so" \
+      "(outside CI, QUANTLOOP_SKIP_BROWSER=1 skips it)" >&2
+  fi
+fi
 echo "install: done ($(.venv/bin/python -c 'import torch, prefect, mlflow; print(f"torch {torch.__version__}, prefect {prefect.__version__}, mlflow {mlflow.__version__}")'))"

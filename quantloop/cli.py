@@ -1,4 +1,5 @@
-"""The `quantloop` command line: run the research loop, query nodes, run the ladder."""
+"""The `quantloop` command line: run the research loop, serve the local stack, deploy,
+query nodes, run the ladder."""
 
 from __future__ import annotations
 
@@ -345,6 +346,75 @@ def promote(
     _write_json(summary_json, decision)
     if decision["decision"] != "promoted":
         raise typer.Exit(1)
+
+
+@app.command()
+def serve(
+    home: Annotated[
+        Path, typer.Option(help="Workspace folder: stores, and the stack's state in home/serve")
+    ] = Path(".quantloop"),
+    host: Annotated[str, typer.Option(help="Address the servers listen on")] = "127.0.0.1",
+    prefect_port: Annotated[int, typer.Option(help="Prefect server and UI port")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(help="MLflow server and UI port")] = 5000,
+    pool: Annotated[str, typer.Option(help="Work pool of the stack's worker")] = (
+        "quantloop-local"
+    ),
+    prefect_file: Annotated[
+        Path | None, typer.Option(help="The deployments file [default: infra/prefect.yaml]")
+    ] = None,
+) -> None:
+    """Run the local stack: Prefect server and UI, MLflow, a worker with the deployments."""
+    from quantloop.deploy import PREFECT_YAML, DeploymentConflict
+    from quantloop.serve import StackConfig, serve_forever
+
+    cfg = StackConfig(
+        home=home.resolve(), host=host, prefect_port=prefect_port, mlflow_port=mlflow_port,
+        pool=pool, prefect_file=(prefect_file or PREFECT_YAML).resolve(),
+    )  # fmt: skip
+    try:
+        serve_forever(cfg, say=lambda line: console.print(line, highlight=False, soft_wrap=True))
+    except (RuntimeError, TimeoutError, DeploymentConflict, OSError) as exc:
+        fail(f"{type(exc).__name__}: {exc}", code=1)
+
+
+@app.command()
+def deploy(
+    prefect_file: Annotated[
+        Path | None, typer.Option(help="The deployments file [default: infra/prefect.yaml]")
+    ] = None,
+    only: Annotated[
+        list[str] | None, typer.Option(help="Only these deployments (flow/name); repeatable")
+    ] = None,
+    replace: Annotated[
+        bool, typer.Option(help="Replace deployments that exist with other settings")
+    ] = False,
+) -> None:
+    """Apply the deployments of infra/prefect.yaml to the server at PREFECT_API_URL.
+
+    Creates their work pools (process pools) when missing; refuses, changing nothing,
+    when a deployment exists with other settings, naming each difference (--replace).
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    from quantloop.deploy import PREFECT_YAML, DeploymentConflict, apply, read_deployments
+
+    if not PREFECT_API_URL.value():
+        # Prefect would start a temporary server and deploy there, to be lost on exit.
+        fail(
+            "PREFECT_API_URL is not set: `prefect config set PREFECT_API_URL=http://HOST:4200/api`"
+        )
+    specs = read_deployments(prefect_file or PREFECT_YAML)
+    if only:
+        unknown = set(only) - {d.full_name for d in specs}
+        if unknown:
+            fail(f"--only: no deployment {sorted(unknown)}; known: {[d.full_name for d in specs]}")
+        specs = [d for d in specs if d.full_name in only]
+    try:
+        ids = apply(specs, replace=replace)
+    except DeploymentConflict as exc:
+        fail(str(exc), code=1)
+    for d in specs:
+        console.print(f"{d.full_name} -> work pool {d.pool}: deployment {ids[d.full_name]}")
 
 
 @app.command()

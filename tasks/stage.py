@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from quantloop.tasks import storage
 from quantloop.tasks.engine import NodeKind, NodeStore, output_blob, sha256_json
 from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.form import FeatureForm, HoldoutFraction, ProductFeatures
 from quantloop.tasks.planning import feature_kind, plan_feature_table, product_params
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.workspace import Selection, Workspace
@@ -34,16 +35,23 @@ class StageParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    workspace: Workspace = Field(default_factory=Workspace)
-    selection: Selection = Field(default_factory=Selection)
-    features: FeatureParams = Field(default_factory=FeatureParams)
-    product_features: dict[str, dict] = Field(
-        default_factory=dict,
-        description="Per-product feature overrides, e.g. {'SYNA': {'ofi_window': 20}}.",
+    workspace: Workspace = Field(
+        default=Workspace(),
+        title="Workspace",
+        description="Where the data, node outputs and records live.",
     )
-    holdout_fraction: float = Field(
-        default=0.3, gt=0, lt=1, description="Share of dates (or of the day) held out."
+    selection: Selection = Field(
+        default=Selection(),
+        title="Selection",
+        description="The partitions (products x dates) of a landed dataset this stage covers.",
     )
+    features: FeatureForm = Field(
+        default=FeatureParams(),
+        title="Features",
+        description="The feature parameters the stage's feature nodes were (or are) made with.",
+    )
+    product_features: ProductFeatures = {}
+    holdout_fraction: HoldoutFraction = 0.3
 
 
 @dataclass(frozen=True, slots=True)

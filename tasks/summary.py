@@ -85,24 +85,47 @@ def _bps(value: float) -> str:
     return "nan" if math.isnan(value) else f"{value:+.2f}"
 
 
+def _markout_rows(
+    horizons: list[str], signals: list[tuple[list[str], int, dict, dict]]
+) -> list[list[str]]:
+    """One row per signal: its leading cells, trades, mark-out per horizon, first hit rate."""
+    rows = []
+    for lead, trades, curve, hits in signals:
+        hit = hits.get(horizons[0], math.nan) if horizons else math.nan
+        marks = (_bps(curve.get(h, math.nan)) for h in horizons)
+        rows.append([*lead, f"{trades:,}", *marks, f"{hit:.1%}"])
+    return rows
+
+
+def _columns(lead: list[str], horizons: list[str]) -> tuple[list[str], list[bool]]:
+    columns = [*lead, "trades", *horizons, f"hit {horizons[0]}" if horizons else "hit"]
+    return columns, [False] * len(lead) + [True] * (len(columns) - len(lead))
+
+
 def markout_table(summary: ResearchSummary) -> TextTable:
     """Mark-out (bps) of the model and the baseline per horizon, with trade counts and
     the hit rate at the first horizon: the result of a run, in one table."""
     horizons = list(summary.markout_bps)
-    rows = []
-    for name, curve, trades, hits in (
-        ("model", summary.markout_bps, summary.trades, summary.hit_rate),
-        ("baseline", summary.baseline_markout_bps, summary.baseline_trades,
+    rows = _markout_rows(horizons, [
+        (["model"], summary.trades, summary.markout_bps, summary.hit_rate),
+        (["baseline"], summary.baseline_trades, summary.baseline_markout_bps,
          summary.baseline_hit_rate),
-    ):  # fmt: skip
-        hit = hits.get(horizons[0], math.nan) if horizons else math.nan
-        rows.append([name, f"{trades:,}", *(_bps(curve[h]) for h in horizons), f"{hit:.1%}"])
-    columns = ["signal", "trades", *horizons, f"hit {horizons[0]}" if horizons else "hit"]
+    ])  # fmt: skip
+    columns, numeric = _columns(["signal"], horizons)
+    return TextTable("Mark-out on held-out data (bps)", columns, rows, numeric)
+
+
+def product_table(summary: ResearchSummary) -> TextTable:
+    """The same mark-out per product: a row per product and signal."""
+    horizons = list(summary.markout_bps)
+    signals = [
+        ([product, signal], stats["count"], stats["mean_bps"], stats["hit_rate"])
+        for product, by_signal in sorted(summary.per_product.items())
+        for signal, stats in by_signal.items()
+    ]
+    columns, numeric = _columns(["product", "signal"], horizons)
     return TextTable(
-        title="Mark-out on held-out data (bps)",
-        columns=columns,
-        rows=rows,
-        numeric=[False] + [True] * (len(columns) - 1),
+        "Mark-out per product (bps)", columns, _markout_rows(horizons, signals), numeric
     )
 
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 import pyarrow as pa
+from pydantic import Field
 
 from quantloop.tasks.ingest import validate_book
 from quantloop.tasks.schema import (
@@ -45,21 +47,107 @@ _FIRST_ORDER_ID = 10_000_000  # ids below this stand for orders resting before t
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SyntheticConfig:
-    seed: int = 0
-    levels: int = 10
-    events_per_day: int = 20_000
-    tick_size: int = 100  # price units (dollars x 10^4): one cent
-    start_price: int = 1_000_000  # $100.00, same units
-    max_spread_ticks: int = 3
-    events_per_move: float = 8.0  # mean events between best-price changes
-    moves_per_regime: float = 150.0  # mean best-price changes per volatility regime
-    vol_of_vol: float = 0.6  # log-sd of a regime's activity multiplier
-    mean_depth: float = 300.0  # mean shares queued at level 1
-    depth_slope: float = 0.4  # level k holds (1 + slope * (k - 1)) x level 1's depth
-    signal: float = 0.7  # 0..1: how strongly queues foreshadow the next move
-    hidden_prob: float = 0.03  # share of events that are hidden executions
-    session_start: float = 34_200.0  # 09:30, seconds after midnight
-    session_end: float = 57_600.0  # 16:00
+    """The synthetic order-book generator: deterministic by (seed, product, date)."""
+
+    seed: Annotated[int, Field(ge=0, description="Generator seed (>= 0).")] = 0
+    levels: Annotated[int, Field(ge=1, le=50, description="Book levels per side (1 to 50).")] = 10
+    events_per_day: Annotated[
+        int,
+        Field(
+            title="Events per day",
+            ge=1,
+            le=10_000_000,
+            description="Messages per product and day (1 to 10,000,000); must exceed the "
+            "longest label horizon to train.",
+        ),
+    ] = 20_000
+    tick_size: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Tick in price units of $0.0001 (LOBSTER's): 100 = one cent (>= 1).",
+        ),
+    ] = 100
+    start_price: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Opening mid in price units of $0.0001: 1,000,000 = $100.00 "
+            "(at least 100 ticks).",
+        ),
+    ] = 1_000_000
+    max_spread_ticks: Annotated[
+        int,
+        Field(
+            title="Max spread (ticks)",
+            ge=2,
+            le=100,
+            description="Widest bid-ask spread in ticks (2 to 100); spreads walk from 1 to this.",
+        ),
+    ] = 3
+    events_per_move: Annotated[
+        float,
+        Field(ge=1, description="Mean events between best-price changes (>= 1)."),
+    ] = 8.0
+    moves_per_regime: Annotated[
+        float,
+        Field(ge=1, description="Mean best-price changes per volatility regime (>= 1)."),
+    ] = 150.0
+    vol_of_vol: Annotated[
+        float,
+        Field(
+            title="Vol of vol",
+            ge=0,
+            le=3,
+            description="Log standard deviation of a regime's activity multiplier (0 to 3; "
+            "0 = one regime).",
+        ),
+    ] = 0.6
+    mean_depth: Annotated[
+        float, Field(ge=1, description="Mean shares queued at level 1 (>= 1).")
+    ] = 300.0
+    depth_slope: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="Level k holds (1 + slope x (k - 1)) times level 1's depth (>= 0).",
+        ),
+    ] = 0.4
+    signal: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="How strongly queues foreshadow the next price move (0 = not at all, "
+            "1 = most).",
+        ),
+    ] = 0.7
+    hidden_prob: Annotated[
+        float,
+        Field(
+            title="Hidden executions",
+            ge=0,
+            lt=1,
+            description="Share of events that are hidden executions (0 to <1).",
+        ),
+    ] = 0.03
+    session_start: Annotated[
+        float,
+        Field(
+            ge=0,
+            lt=86_400,
+            description="Session open in seconds after midnight: 34,200 = 09:30.",
+        ),
+    ] = 34_200.0
+    session_end: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=86_400,
+            description="Session close in seconds after midnight: 57,600 = 16:00 "
+            "(after the open, at most 86,400).",
+        ),
+    ] = 57_600.0
 
     def __post_init__(self) -> None:
         checks = {

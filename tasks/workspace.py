@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+from typing import Annotated
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -21,38 +22,75 @@ from quantloop.blocks.tracking import MlflowTracking
 from quantloop.tasks.catalog import Catalog, Entry
 
 DEFAULT_HOME = ".quantloop"
+# A saved block given by its name (JSON, the CLI, prefect.yaml); the UI labels the choice.
+BlockName = Annotated[str, Field(title="By name")]
+# Set by `quantloop serve` for the flows its worker runs: the MLflow UI it serves and
+# the store it serves, so summaries of runs recorded in that store link to their pages.
+MLFLOW_UI_URL_ENV, MLFLOW_UI_STORE_ENV = "QUANTLOOP_MLFLOW_UI_URL", "QUANTLOOP_MLFLOW_UI_STORE"
 
 
 class Workspace(BaseModel):
-    """Where the run's data, node outputs and records live."""
+    """Where the run's data, node outputs and records live.
+
+    The site, tracking and catalog are saved blocks: the Prefect UI offers a picker of
+    the saved ones (a block-typed field), and JSON or the CLI may name one instead.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     home: str = Field(
         default=DEFAULT_HOME,
-        description="Local folder for the embedded defaults: catalog, storage, MLflow store.",
+        title="Home folder",
+        description="Folder for the embedded defaults: the partition catalog, the storage "
+        "and the MLflow store of runs without blocks. Relative paths are relative to the "
+        "worker's working directory (the checkout).",
     )
-    site: str | None = Field(
-        default=None, description="Name of a saved quantloop Site block; empty: a LocalCluster."
-    )
-    n_workers: int = Field(default=2, ge=1, description="LocalCluster workers (no site block).")
-    tracking: str | None = Field(
-        default=None, description="Name of a saved quantloop MLflow Tracking block."
-    )
-    data_catalog: str | None = Field(
+    site: Site | BlockName | None = Field(
         default=None,
-        description="Name of a saved quantloop Data Catalog block; empty: catalog.sqlite in home.",
+        title="Site",
+        description="Where nodes run and outputs are stored: a saved quantloop Site block "
+        "(pick one, or give its name). None: a Dask LocalCluster on the worker, storage "
+        "under the home folder.",
     )
-    tracking_uri: str | None = Field(
-        default=None, description="MLflow tracking URI; overrides the block. Empty: SQLite in home."
+    n_workers: int = Field(
+        default=2,
+        ge=1,
+        le=256,
+        title="Local workers",
+        description="Processes of the LocalCluster when no site is chosen (1 to 256).",
     )
-    experiment: str = Field(default="quantloop", description="MLflow experiment name.")
+    tracking: MlflowTracking | BlockName | None = Field(
+        default=None,
+        title="MLflow tracking",
+        description="Where runs are recorded: a saved quantloop MLflow Tracking block (pick "
+        "one, or give its name). None: the MLflow store in the home folder.",
+    )
+    data_catalog: DataCatalog | BlockName | None = Field(
+        default=None,
+        title="Data catalog",
+        description="The partition catalog: a saved quantloop Data Catalog block (pick one, "
+        "or give its name). None: catalog.sqlite in the home folder.",
+    )
+    tracking_uri: Annotated[str, Field(title="URI")] | None = Field(
+        default=None,
+        title="MLflow tracking URI",
+        description="An MLflow tracking URI (http://host:5000 or sqlite:///path) that "
+        "overrides the tracking block's. None: the block's, or the home folder's store.",
+    )
+    experiment: str = Field(
+        default="quantloop",
+        min_length=1,
+        title="MLflow experiment",
+        description="MLflow experiment of the runs without a tracking block.",
+    )
 
     @property
     def home_abs(self) -> str:
         return os.path.abspath(os.path.expanduser(self.home))
 
     def resolve_site(self) -> Site:
+        if isinstance(self.site, Site):
+            return self.site
         if self.site:
             return Site.load(self.site)
         return Site(
@@ -62,18 +100,26 @@ class Workspace(BaseModel):
         )
 
     def resolve_tracking(self) -> MlflowTracking:
-        if self.tracking:
+        if isinstance(self.tracking, MlflowTracking):
+            block = self.tracking
+        elif self.tracking:
             block = MlflowTracking.load(self.tracking)
         else:
+            uri = "sqlite:///" + os.path.join(self.home_abs, "mlflow.db")
+            served = os.environ.get(MLFLOW_UI_STORE_ENV) == uri
             block = MlflowTracking(
-                tracking_uri="sqlite:///" + os.path.join(self.home_abs, "mlflow.db"),
+                tracking_uri=uri,
                 experiment=self.experiment,
+                ui_url=os.environ.get(MLFLOW_UI_URL_ENV) if served else None,
             )
         if self.tracking_uri:
-            block = block.model_copy(update={"tracking_uri": self.tracking_uri})
+            # Another store: the block's UI does not show it.
+            block = block.model_copy(update={"tracking_uri": self.tracking_uri, "ui_url": None})
         return block
 
     def catalog(self) -> Catalog:
+        if isinstance(self.data_catalog, DataCatalog):
+            return Catalog(self.data_catalog.resolved_path())
         if self.data_catalog:
             return Catalog(DataCatalog.load(self.data_catalog).resolved_path())
         return Catalog(os.path.join(self.home_abs, "catalog.sqlite"))
@@ -84,10 +130,21 @@ class Selection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dataset: str = Field(default="synthetic", description="Catalog dataset name.")
-    products: list[str] | None = Field(default=None, description="Products; empty: all.")
-    start: dt.date | None = Field(default=None, description="First date; empty: the earliest.")
-    end: dt.date | None = Field(default=None, description="Last date; empty: the latest.")
+    dataset: str = Field(
+        default="synthetic",
+        min_length=1,
+        title="Dataset",
+        description="Catalog dataset: synthetic (the generator's) or lobster (landed files).",
+    )
+    products: list[str] | None = Field(
+        default=None, title="Products", description="Products to cover. None: all of them."
+    )
+    start: dt.date | None = Field(
+        default=None, title="First date", description="First date. None: the earliest."
+    )
+    end: dt.date | None = Field(
+        default=None, title="Last date", description="Last date (included). None: the latest."
+    )
 
     def entries(self, catalog: Catalog) -> list[Entry]:
         found = [

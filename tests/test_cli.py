@@ -106,7 +106,11 @@ def write_json(path: Path, value) -> Path:
         ({"data": {"start_date": "1800-01-02"}}, "data.start_date: Input should be greater"),
         ({"train": {"stepz": 3}}, "train.stepz"),
         ({"product_features": {"SYNA": {"ofi_windw": 3}}},
-         "product_features['SYNA']: unknown feature parameter(s) ['ofi_windw']"),
+         "product_features.SYNA.ofi_windw: Extra inputs are not permitted"),
+        ({"product_features": {"SYNA": {"imbalance_levels": 3}}},
+         "product_features.SYNA: imbalance_levels cannot differ per product: it changes the "
+         "feature columns"),
+        ({"train": {"device": "gpu"}}, "train.device: Input should be 'auto', 'cpu' or 'cuda'"),
         ({"product_features": {"NOPE": {"ofi_window": 3}}},
          "product_features names products not in this run: ['NOPE']"),
         ({"data": {"synthetic": {"events_per_day": 50}}},

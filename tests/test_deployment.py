@@ -1,6 +1,7 @@
-"""Deployments: infra/prefect.yaml is valid, and the research flow runs on a real worker.
+"""Deployments: infra/prefect.yaml is the one source, and the research flow runs on a
+real worker.
 
-The end-to-end test starts its own `prefect server` and `prefect worker` (not the
+The end-to-end tests start their own `prefect server` and `prefect worker` (not the
 session's ephemeral harness): the flow run happens in a worker's child process,
 exactly as an operator's deployment runs, and reports to a real MLflow server.
 """
@@ -19,8 +20,8 @@ from prefect.deployments import run_deployment
 from prefect.flows import load_flow_from_entrypoint
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from infra.deploy import REPO_ROOT, deploy, ensure_pool
 from quantloop.blocks import MlflowTracking, Site
+from quantloop.deploy import REPO_ROOT, apply, ensure_pool, for_stack, read_deployments
 from quantloop.tasks.stage import StageParams, feature_outputs
 from quantloop.tasks.workspace import Selection, Workspace
 from tests import servers
@@ -44,21 +45,32 @@ def tiny_params(home: Path, tracking_uri: str) -> dict:
 
 
 def test_prefect_yaml_entrypoints_load_and_parameters_validate():
-    config = yaml.safe_load(PREFECT_YAML.read_text())
-    pools = set()
-    for d in config["deployments"]:
-        flow = load_flow_from_entrypoint(str(REPO_ROOT / d["entrypoint"]))
-        params = dict(d.get("parameters") or {})
+    pools = {}
+    for d in read_deployments(PREFECT_YAML):
+        flow = load_flow_from_entrypoint(str(REPO_ROOT / d.entrypoint))
+        params = dict(d.parameters)
         if flow.name == "simulate":
             params["model_url"] = "s3://bucket/models/x.pt"  # required; given per run
         flow.validate_parameters(params)  # raises on an unknown or ill-typed field
-        pools.add((flow.name, d["work_pool"]["name"]))
+        pools[d.full_name] = d.pool
     assert pools == {
-        ("research", "quantloop-cpu"),
-        ("features", "quantloop-cpu"),
-        ("train", "quantloop-gpu"),
-        ("simulate", "quantloop-cpu"),
+        "research/desk": "quantloop-cpu",
+        "features/desk": "quantloop-cpu",
+        "train/gpu": "quantloop-gpu",
+        "simulate/desk": "quantloop-cpu",
     }
+
+
+def test_a_stack_runs_the_same_deployments_from_its_checkout_on_its_pool(tmp_path):
+    specs = for_stack(read_deployments(PREFECT_YAML), pool="local", checkout=tmp_path,
+                      workspace={"home": "/home/me/.quantloop"})  # fmt: skip
+    assert {d.full_name for d in specs} == {d.full_name for d in read_deployments(PREFECT_YAML)}
+    for d in specs:
+        assert d.pool == "local"
+        assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
+                                 {"directory": str(tmp_path)}}]  # fmt: skip
+        [workspace] = [v["workspace"] for v in d.parameters.values() if "workspace" in v]
+        assert workspace == {"home": "/home/me/.quantloop"}  # the desk's blocks are not here
 
 
 def tail(path: Path, lines: int = 60) -> str:
@@ -80,17 +92,20 @@ def prefect_server(tmp_path_factory) -> tuple[str, Path]:
 def test_research_deployment_runs_on_a_process_worker(prefect_server, tmp_path, mlflow_uri):
     api, _ = prefect_server
     home, worker_dir = tmp_path / "workspace", tmp_path / "worker"
+    research = [d for d in read_deployments(PREFECT_YAML) if d.flow == "research"]
+    specs = for_stack(research, pool=POOL, checkout=REPO_ROOT, workspace={"home": str(home)})
     # Restored on exit, so later tests see the session's settings again.
     with temporary_settings({PREFECT_API_URL: api}):
-        deployment_id = deploy(POOL, name="test", tags=["quantloop", "test"])
+        ids = apply(specs)
         with get_client(sync_client=True) as client:
-            deployment = client.read_deployment(deployment_id)
+            deployment = client.read_deployment(ids["research/desk"])
+        assert deployment.work_pool_name == POOL
         assert deployment.pull_steps == [
             {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO_ROOT)}}
         ]
         with servers.prefect_worker(api, POOL, worker_dir):
             flow_run = run_deployment(
-                "research/test", parameters=tiny_params(home, mlflow_uri), timeout=240
+                "research/desk", parameters=tiny_params(home, mlflow_uri), timeout=240
             )
 
     assert flow_run.state is not None and flow_run.state.is_completed(), (
@@ -117,6 +132,16 @@ def test_research_deployment_runs_on_a_process_worker(prefect_server, tmp_path, 
     assert len(outputs) == 2
     # Each read checks the stored bytes against the digest recorded when they were written.
     assert all(out.read().num_rows > 0 for out in outputs.values())
+
+
+def quantloop_cli(api: str, home: Path, *args: str, check: bool = True):
+    proc = subprocess.run(
+        [sys.executable, "-m", "quantloop.cli", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+        env=servers.prefect_env(home, PREFECT_API_URL=api, COLUMNS="200"),
+    )  # fmt: skip
+    assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 def prefect_cli(api: str, home: Path, *args: str) -> subprocess.CompletedProcess:
@@ -150,9 +175,34 @@ def test_operator_setup_from_infra_readme(prefect_server, mlflow_uri):
         )
         with get_client(sync_client=True) as client:
             deployed = {
-                flow: client.read_deployment_by_name(f"{flow}/default")
-                for flow in ("research", "features", "train", "simulate")
-            }
+                flow: client.read_deployment_by_name(f"{flow}/{name}")
+                for flow, name in (("research", "desk"), ("features", "desk"),
+                                   ("train", "gpu"), ("simulate", "desk"))
+            }  # fmt: skip
+
+        # `quantloop deploy` applies the same file: nothing differs, nothing is refused.
+        quantloop_cli(api, folder / "cli-home", "deploy")
+        # A file with other settings is refused, naming the difference, and changes
+        # nothing; --replace replaces.
+        changed = yaml.safe_load(PREFECT_YAML.read_text())
+        changed["definitions"]["workspace"]["home"] = "/data/desk"
+        changed["deployments"][0]["parameters"]["params"]["workspace"]["home"] = "/data/desk"
+        other = folder / "changed.yaml"
+        other.write_text(yaml.safe_dump(changed))
+        refused = quantloop_cli(api, folder / "cli-home", "deploy", "--prefect-file", str(other),
+                                check=False)  # fmt: skip
+        with get_client(sync_client=True) as client:
+            kept = client.read_deployment_by_name("research/desk").parameters
+        quantloop_cli(api, folder / "cli-home", "deploy", "--prefect-file", str(other),
+                      "--only", "research/desk", "--replace")  # fmt: skip
+        with get_client(sync_client=True) as client:
+            replaced = client.read_deployment_by_name("research/desk").parameters
+
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "research/desk: parameters:" in refused.stderr and "/data/desk" in refused.stderr
+    assert "--replace" in refused.stderr
+    assert kept["params"]["workspace"]["home"] == "/srv/quantloop"
+    assert replaced["params"]["workspace"]["home"] == "/data/desk"
 
     assert (site.scheduler_address, site.root) == ("tcp://10.0.0.5:8786", "s3://x/y")
     assert tracking_block.resolved_uri() == mlflow_uri

@@ -1,0 +1,216 @@
+"""Deployments from infra/prefect.yaml, the one place they are written.
+
+`quantloop deploy` and `quantloop serve` read the file, create the work pools it
+names (process pools), and create each deployment as `prefect deploy` would: the
+flow loaded from its entrypoint for its name and parameter schema, the file's pull
+steps, pool, queue, parameters, tags and description. An existing deployment with
+other settings is never replaced silently: the call fails naming each difference,
+unless asked to replace.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import yaml
+
+# The checkout: entrypoints (flows/research.py:research) are relative to it.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PREFECT_YAML = REPO_ROOT / "infra" / "prefect.yaml"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Deployment:
+    """One deployment of prefect.yaml, as it will be applied."""
+
+    flow: str  # the flow's name (@flow(name=...)), the first half of "flow/name"
+    name: str
+    entrypoint: str
+    pool: str
+    queue: str = "default"
+    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pull_steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tags: list[str] = dataclasses.field(default_factory=list)
+    description: str | None = None
+    job_variables: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.flow}/{self.name}"
+
+
+# The workspace fields that say where a run's data and records are.
+WHERE = ("home", "site", "tracking", "data_catalog", "tracking_uri")
+
+
+class DeploymentConflict(RuntimeError):
+    """A deployment exists with other settings; nothing was changed."""
+
+
+def flow_name(entrypoint: str, root: Path = REPO_ROOT) -> str:
+    from prefect.flows import load_flow_from_entrypoint
+
+    return load_flow_from_entrypoint(str(root / entrypoint)).name
+
+
+def read_deployments(path: Path = PREFECT_YAML, root: Path = REPO_ROOT) -> list[Deployment]:
+    """The deployments of a prefect.yaml (YAML anchors resolved), in the file's order."""
+    config = yaml.safe_load(Path(path).read_text())
+    pull = config.get("pull") or []
+    out = []
+    for d in config["deployments"]:
+        pool = d["work_pool"]
+        out.append(
+            Deployment(
+                flow=flow_name(d["entrypoint"], root),
+                name=d["name"],
+                entrypoint=d["entrypoint"],
+                pool=pool["name"],
+                queue=pool.get("work_queue_name") or "default",
+                parameters=copy.deepcopy(d.get("parameters") or {}),
+                pull_steps=copy.deepcopy(d.get("pull") or pull),
+                tags=list(d.get("tags") or []),
+                description=d.get("description"),
+                job_variables=copy.deepcopy(pool.get("job_variables") or {}),
+            )
+        )
+    names = [d.full_name for d in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: deployment names repeat: {sorted(names)}")
+    return out
+
+
+def for_stack(
+    deployments: Iterable[Deployment],
+    *,
+    pool: str,
+    checkout: Path,
+    workspace: Mapping[str, Any],
+) -> list[Deployment]:
+    """The same deployments for one machine's stack (`quantloop serve`): every one on
+    `pool`, run from `checkout`, with `workspace` in place of where the file's records
+    go (the desk's site and tracking blocks are not saved on a researcher's own server;
+    its other workspace settings stay)."""
+    out = []
+    for d in deployments:
+        parameters = copy.deepcopy(d.parameters)
+        for value in parameters.values():
+            if isinstance(value, dict) and "workspace" in value:
+                kept = {k: v for k, v in value["workspace"].items() if k not in WHERE}
+                value["workspace"] = {**kept, **workspace}
+        steps = [{"prefect.deployments.steps.set_working_directory": {"directory": str(checkout)}}]
+        out.append(dataclasses.replace(d, pool=pool, pull_steps=steps, parameters=parameters))
+    return out
+
+
+def ensure_pool(pool: str) -> bool:
+    """Create `pool` as a process work pool unless it exists; True if it was created.
+
+    An existing pool of another type is an error: these deployments run from a
+    checkout on the worker's machine, which only a process worker does.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            found = client.read_work_pool(pool)
+        except ObjectNotFound:
+            client.create_work_pool(
+                WorkPoolCreate(
+                    name=pool,
+                    type="process",
+                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                    description="quantloop flows run as processes from a checkout",
+                )
+            )
+            return True
+    if found.type != "process":
+        raise ValueError(
+            f"work pool {pool!r} has type {found.type!r}; quantloop's deployments need a "
+            "'process' pool (prefect work-pool create NAME --type process)"
+        )
+    return False
+
+
+def differences(existing: Any, wanted: Deployment) -> list[str]:
+    """What an existing deployment (the API's record) has that `wanted` does not."""
+    have = {
+        "entrypoint": existing.entrypoint,
+        "work pool": existing.work_pool_name,
+        "work queue": existing.work_queue_name,
+        "parameters": existing.parameters or {},
+        "pull steps": existing.pull_steps or [],
+        "tags": sorted(existing.tags or []),
+        "description": existing.description or None,
+        "job variables": existing.job_variables or {},
+    }
+    want = {
+        "entrypoint": wanted.entrypoint,
+        "work pool": wanted.pool,
+        "work queue": wanted.queue,
+        "parameters": wanted.parameters,
+        "pull steps": wanted.pull_steps,
+        "tags": sorted(wanted.tags),
+        "description": wanted.description or None,
+        "job variables": wanted.job_variables,
+    }
+    return [f"{k}: {have[k]!r} -> {want[k]!r}" for k in want if have[k] != want[k]]
+
+
+def apply(
+    deployments: Sequence[Deployment], *, replace: bool = False, root: Path = REPO_ROOT
+) -> dict[str, UUID]:
+    """Create (or leave as they are) the deployments; returns their ids by full name.
+
+    Raises DeploymentConflict, before changing anything, when a deployment of the same
+    name exists with other settings, unless `replace`.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.flows import load_flow_from_entrypoint
+    from prefect.utilities.callables import parameter_schema
+
+    with get_client(sync_client=True) as client:
+        conflicts = []
+        for d in deployments:
+            try:
+                existing = client.read_deployment_by_name(d.full_name)
+            except ObjectNotFound:
+                continue
+            changed = differences(existing, d)
+            if changed:
+                conflicts.append(f"{d.full_name}: " + "; ".join(changed))
+        if conflicts and not replace:
+            raise DeploymentConflict(
+                "deployments exist with other settings (replace them with --replace):\n  "
+                + "\n  ".join(conflicts)
+            )
+        for pool in dict.fromkeys(d.pool for d in deployments):
+            ensure_pool(pool)
+        ids = {}
+        for d in deployments:
+            flow = load_flow_from_entrypoint(str(root / d.entrypoint))
+            flow_id = client.create_flow_from_name(flow.name)
+            ids[d.full_name] = client.create_deployment(
+                flow_id=flow_id,
+                name=d.name,
+                entrypoint=d.entrypoint,
+                work_pool_name=d.pool,
+                work_queue_name=d.queue,
+                parameters=d.parameters,
+                pull_steps=d.pull_steps,
+                tags=d.tags,
+                description=d.description,
+                job_variables=d.job_variables,
+                parameter_openapi_schema=parameter_schema(flow).model_dump_for_openapi(),
+                enforce_parameter_schema=True,
+            )
+    return ids

@@ -1,0 +1,359 @@
+"""`quantloop serve`: the stack a researcher needs on one machine.
+
+A Prefect server with its UI, an MLflow server over the workspace's stores, and a
+process worker on a local pool with the deployments of infra/prefect.yaml applied,
+all under one home folder that needs no root:
+
+    <home>/                    the workspace (catalog, node store, mlflow.db, mlartifacts):
+                               what `quantloop run --home <home>` uses too
+    <home>/serve/prefect/      Prefect's home, its SQLite database, the UI's static files
+    <home>/serve/worker/       the worker's Prefect home
+    <home>/serve/logs/         prefect-server.log, mlflow-server.log, prefect-worker.log
+
+Every process runs in a session of its own, so Ctrl-C reaches only `serve`, which
+stops them in order (the worker first, which cancels its flow runs) and then ends
+anything they left; a watcher ends them if `serve` itself is killed (tasks/reaper.py).
+A second start finds the same database, stores and static files.
+
+Authentication is not built yet; where it goes: a Prefect API auth string is a
+setting of the server (PREFECT_SERVER_API_AUTH_STRING) and of its clients
+(PREFECT_API_AUTH_STRING), both set in `prefect_env`; MLflow's basic auth is
+`--app-name basic-auth` plus its config in `mlflow_service`, and the workspace's
+tracking then needs a block with credentials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+
+from quantloop.deploy import PREFECT_YAML, REPO_ROOT, apply, for_stack, read_deployments
+
+WORKER_NAME = "quantloop-serve"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StackConfig:
+    """Where the stack lives and listens."""
+
+    home: Path
+    host: str = "127.0.0.1"
+    prefect_port: int = 4200
+    mlflow_port: int = 5000
+    pool: str = "quantloop-local"
+    prefect_file: Path = PREFECT_YAML
+    checkout: Path = REPO_ROOT
+
+    @property
+    def state(self) -> Path:
+        return self.home / "serve"
+
+    @property
+    def logs(self) -> Path:
+        return self.state / "logs"
+
+    @property
+    def prefect_url(self) -> str:
+        return f"http://{self.host}:{self.prefect_port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.prefect_url}/api"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://{self.host}:{self.mlflow_port}"
+
+    @property
+    def mlflow_store(self) -> str:
+        """The workspace's MLflow store: what embedded runs on this home write."""
+        return "sqlite:///" + str(self.home / "mlflow.db")
+
+    def workspace(self) -> dict:
+        """The research workspace the deployments get: embedded defaults under home."""
+        return {"home": str(self.home)}
+
+
+@dataclasses.dataclass
+class Service:
+    """One process of the stack, in a session of its own, logging to a file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+
+    def check(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(
+                f"{self.name} exited with {self.proc.returncode}; its log: {self.log}\n"
+                + tail(self.log)
+            )
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM to the process (Prefect's CLI passes it on to its own child as SIGINT;
+        signalling the whole group made the worker wait out the timeout), SIGKILL to its
+        process group after `timeout`, then whatever of its descendants is left (a flow
+        run's Dask workers, say)."""
+        if self.proc is None:
+            return
+        try:
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=timeout)
+        alive = [p for p in family if p.is_running()]
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, still = psutil.wait_procs(alive, timeout=5)
+        for p in still:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    if not path.exists():
+        return f"({path} missing)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def prefect_env(home: Path, **settings: str) -> dict[str, str]:
+    """This environment without its PREFECT_* settings, plus `settings`: a process of the
+    stack reads no profile or API URL of the user's, only the stack's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", **settings)
+    return env
+
+
+def prefect_service(cfg: StackConfig) -> Service:
+    home = cfg.state / "prefect"
+    env = prefect_env(
+        home,
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        # The UI asks this URL for the API: without it, a port other than 4200 shows
+        # "Unable to connect to Prefect server".
+        PREFECT_UI_API_URL=cfg.api_url,
+        # The UI's static files, copied and rewritten on the first start (a cache key
+        # per Prefect version and base URL): here, not in the installed package.
+        PREFECT_UI_STATIC_DIRECTORY=str(home / "ui"),
+    )
+    argv = [sys.executable, "-m", "prefect", "server", "start",
+            "--host", cfg.host, "--port", str(cfg.prefect_port)]  # fmt: skip
+    return Service("prefect server", argv, env, cfg.logs / "prefect-server.log")
+
+
+def mlflow_service(cfg: StackConfig) -> Service:
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    argv = [
+        sys.executable, "-m", "mlflow", "server",
+        "--host", cfg.host, "--port", str(cfg.mlflow_port), "--workers", "1",
+        "--backend-store-uri", cfg.mlflow_store,
+        "--artifacts-destination", str(cfg.home / "mlartifacts"),
+    ]  # fmt: skip
+    return Service("mlflow server", argv, env, cfg.logs / "mlflow-server.log")
+
+
+def worker_service(cfg: StackConfig) -> Service:
+    from quantloop.tasks.workspace import MLFLOW_UI_STORE_ENV, MLFLOW_UI_URL_ENV
+
+    env = prefect_env(
+        cfg.state / "worker",
+        PREFECT_API_URL=cfg.api_url,
+        PREFECT_WORKER_QUERY_SECONDS="2",
+        # Summaries of runs recorded in the workspace's store link to this MLflow UI.
+        **{MLFLOW_UI_URL_ENV: cfg.mlflow_url, MLFLOW_UI_STORE_ENV: cfg.mlflow_store},
+    )
+    argv = [sys.executable, "-m", "prefect", "worker", "start",
+            "--pool", cfg.pool, "--type", "process", "--name", WORKER_NAME]  # fmt: skip
+    return Service("prefect worker", argv, env, cfg.logs / "prefect-worker.log")
+
+
+def wait_for(
+    checks: dict[str, Callable[[], bool]], services: list[Service], timeout: float
+) -> dict[str, float]:
+    """Poll every check until each has held once; the seconds each took. Fails if a
+    service exits or a check does not hold within `timeout`."""
+    t0 = time.monotonic()
+    took: dict[str, float] = {}
+    while len(took) < len(checks):
+        for s in services:
+            s.check()
+        for name, ready in checks.items():
+            if name not in took:
+                with contextlib.suppress(OSError, ValueError):
+                    if ready():
+                        took[name] = time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            late = sorted(set(checks) - set(took))
+            raise TimeoutError(f"not ready within {timeout:.0f} s: {', '.join(late)}")
+        time.sleep(0.25)
+    return took
+
+
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read()
+
+
+def ui_serves_the_app(cfg: StackConfig) -> bool:
+    """The UI's settings name this stack's API, and its default UI's page is served."""
+    settings = json.loads(get(cfg.prefect_url + "/ui-settings"))
+    base = settings.get(f"{settings.get('default_ui')}_base_url") or "/"
+    page = get(cfg.prefect_url + base.rstrip("/") + "/").decode(errors="replace")
+    return settings.get("api_url") == cfg.api_url and '<script type="module"' in page
+
+
+def worker_online(cfg: StackConfig, since: datetime.datetime) -> bool:
+    """The stack's worker has sent a heartbeat since `since` (a record of the last start's
+    worker still reads ONLINE for a while)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        workers = client.read_workers_for_work_pool(cfg.pool)
+    return any(
+        w.name == WORKER_NAME and w.last_heartbeat_time and w.last_heartbeat_time >= since
+        for w in workers
+    )
+
+
+@dataclasses.dataclass
+class Stack:
+    config: StackConfig
+    services: list[Service]
+    timings: dict[str, float]
+    deployments: dict[str, str]
+
+    def urls(self) -> dict[str, str]:
+        return {
+            "Prefect UI": self.config.prefect_url,
+            "Prefect API": self.config.api_url,
+            "MLflow UI": self.config.mlflow_url,
+        }
+
+
+def stop_all(services: list[Service], say: Callable[[str], None]) -> None:
+    t0 = time.monotonic()
+    for s in reversed(services):
+        s.stop()
+    say(f"stopped {', '.join(s.name for s in reversed(services))} in {time.monotonic() - t0:.1f} s")
+
+
+def register_blocks() -> None:
+    """quantloop's block types, so the UI can list, create and pick them."""
+    from quantloop.blocks import DataCatalog, MlflowTracking, Site
+
+    for block in (Site, MlflowTracking, DataCatalog):
+        block.register_type_and_schema()
+
+
+@contextlib.contextmanager
+def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator[Stack]:
+    """The stack, up and ready inside the block, stopped (everything) on the way out."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from quantloop.tasks.reaper import reap_on_death
+
+    cfg.logs.mkdir(parents=True, exist_ok=True)
+    first = not (cfg.state / "prefect" / "ui").exists()
+    prefect, mlflow = prefect_service(cfg), mlflow_service(cfg)
+    services = [prefect, mlflow]
+    timings: dict[str, float] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(reap_on_death())
+        # Stopped in reverse: the worker first (it cancels its flow runs), then servers.
+        stack.callback(stop_all, services, say)
+        t0 = time.monotonic()
+        for s in services:
+            s.start()
+        say(f"starting Prefect ({'first start: building the UI' if first else 'UI built'}) "
+            f"and MLflow under {cfg.home}")  # fmt: skip
+        timings.update(
+            wait_for(
+                {
+                    "prefect_api_s": lambda: get(cfg.api_url + "/health") == b"true",
+                    "prefect_ui_s": lambda: ui_serves_the_app(cfg),
+                    "mlflow_s": lambda: get(cfg.mlflow_url + "/health") == b"OK",
+                },
+                services,
+                timeout=300,
+            )
+        )
+        t1 = time.monotonic()
+        with temporary_settings({PREFECT_API_URL: cfg.api_url}):
+            register_blocks()
+            specs = for_stack(
+                read_deployments(cfg.prefect_file, cfg.checkout),
+                pool=cfg.pool, checkout=cfg.checkout, workspace=cfg.workspace(),
+            )  # fmt: skip
+            # The stack's own server: its deployments follow prefect.yaml.
+            ids = apply(specs, replace=True, root=cfg.checkout)
+            timings["deploy_s"] = time.monotonic() - t1
+            worker = worker_service(cfg)
+            services.append(worker)
+            since = datetime.datetime.now(datetime.UTC)
+            worker.start()
+            timings.update(wait_for({"worker_s": lambda: worker_online(cfg, since)}, services, 300))
+        timings["total_s"] = time.monotonic() - t0
+        yield Stack(cfg, services, timings, {name: str(i) for name, i in ids.items()})
+
+
+def serve_forever(cfg: StackConfig, say: Callable[[str], None] = print) -> None:
+    """Run the stack until SIGINT or SIGTERM, then stop all of it."""
+
+    def stop(signum, frame):  # noqa: ARG001
+        # Once: a second Ctrl-C must not cut the stopping short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    # SIGINT too: a shell starts a background job with SIGINT ignored, and Python then
+    # leaves it ignored.
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        with running(cfg, say=say) as stack:
+            t = stack.timings
+            for name, url in stack.urls().items():
+                say(f"{name + ':':13} {url}")
+            say(f"deployments:  {', '.join(stack.deployments)} on work pool {cfg.pool}")
+            say(f"workspace:    {cfg.home}   logs: {cfg.logs}")
+            say(
+                f"ready in {t['total_s']:.1f} s (Prefect API {t['prefect_api_s']:.1f} s, "
+                f"UI {t['prefect_ui_s']:.1f} s, MLflow {t['mlflow_s']:.1f} s, deployments "
+                f"{t['deploy_s']:.1f} s, worker {t['worker_s']:.1f} s); Ctrl-C stops it all"
+            )
+            while True:
+                for s in stack.services:
+                    s.check()
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass

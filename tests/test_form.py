@@ -1,0 +1,168 @@
+"""The run form: what the Prefect UI renders from the flows' parameter schemas.
+
+Every field says what it is (description, unit, bounds), groups have human titles,
+closed choices are enums, and the workspace's site, tracking and catalog are block
+references (the UI shows a picker of saved blocks for a definition that carries a
+`block_type_slug`). The form's words change no key: parameter hashes, node keys and
+model keys are those of the bare dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from prefect.utilities.callables import parameter_schema
+from pydantic import TypeAdapter, ValidationError
+
+from quantloop.blocks import DataCatalog, MlflowTracking, Site
+from quantloop.flows.features import features
+from quantloop.flows.research import ResearchParams, research
+from quantloop.flows.simulate import simulate
+from quantloop.flows.train import model_key, train
+from quantloop.tasks.features import FeatureParams, feature_set
+from quantloop.tasks.form import FEATURES, OVERRIDABLE, ProductOverride, TrainForm
+from quantloop.tasks.nodes import sha256_json
+from quantloop.tasks.planning import feature_kind
+from quantloop.tasks.training import TrainConfig
+
+FLOWS = {"research": research, "features": features, "train": train, "simulate": simulate}
+
+
+def schema_of(flow) -> dict:
+    return parameter_schema(flow).model_dump()
+
+
+@pytest.mark.parametrize("name", sorted(FLOWS))
+def test_every_field_of_every_parameter_model_is_described(name):
+    schema = schema_of(FLOWS[name])
+    undescribed = [
+        f"{model}.{field}"
+        for model, definition in schema["definitions"].items()
+        for field, spec in definition.get("properties", {}).items()
+        if len(spec.get("description", "")) < 15
+    ]
+    undescribed += [p for p, spec in schema["properties"].items() if not spec.get("description")]
+    assert undescribed == []
+
+
+def test_groups_have_human_titles_and_fields_show_their_defaults():
+    schema = schema_of(research)
+    params = schema["definitions"]["ResearchParams"]["properties"]
+    # pydantic leaves out a title equal to its model's name (Workspace's); the UI shows it.
+    titles = {name: spec.get("title", name.title()) for name, spec in params.items()}
+    assert titles == {
+        "workspace": "Workspace",
+        "data": "Data",
+        "features": "Features",
+        "product_features": "Per-product features",
+        "train": "Training",
+        "simulation": "Simulation",
+        "holdout_fraction": "Held-out share",
+        "shard_size": "Shard size (nodes)",
+    }
+    # Plain defaults, not default factories: the UI shows a default only when there is one.
+    assert all("default" in spec for spec in params.values())
+    assert params["train"]["default"]["steps"] == 300
+    synthetic = schema["definitions"]["DataSource"]["properties"]["synthetic"]
+    assert synthetic["title"] == "Synthetic generator"
+    assert synthetic["default"]["events_per_day"] == 20_000
+    tick = schema["definitions"]["SyntheticConfig"]["properties"]["tick_size"]
+    assert "$0.0001" in tick["description"] and tick["minimum"] == 1
+
+
+def test_closed_choices_are_enums_and_bounds_are_in_the_schema():
+    definitions = schema_of(research)["definitions"]
+    train_fields = definitions["TrainConfig"]["properties"]
+    assert train_fields["device"]["enum"] == ["auto", "cpu", "cuda"]
+    assert train_fields["steps"]["minimum"] == 1
+    assert train_fields["lr"]["exclusiveMinimum"] == 0
+    sim = definitions["SimConfig"]["properties"]
+    assert (sim["trade_quantile"]["minimum"], sim["trade_quantile"]["exclusiveMaximum"]) == (0, 1)
+    assert definitions["FeatureParams"]["properties"]["return_lags"]["items"]["minimum"] == 1
+
+
+def test_site_tracking_and_catalog_are_block_pickers_or_names():
+    definitions = schema_of(research)["definitions"]
+    workspace = definitions["Workspace"]["properties"]
+    for field, block in (("site", Site), ("tracking", MlflowTracking),
+                         ("data_catalog", DataCatalog)):  # fmt: skip
+        variants = workspace[field]["anyOf"]
+        refs = [v["$ref"].rsplit("/", 1)[-1] for v in variants if "$ref" in v]
+        assert refs == [block.__name__], field
+        assert definitions[refs[0]]["block_type_slug"] == block.get_block_type_slug()
+        assert {"type": "string", "title": "By name"} in variants and {"type": "null"} in variants
+
+
+def test_the_per_product_override_is_typed_and_offers_what_may_differ():
+    definitions = schema_of(research)["definitions"]
+    overrides = definitions["ResearchParams"]["properties"]["product_features"]
+    assert overrides["additionalProperties"]["$ref"].endswith("/ProductOverride")
+    # Each field it offers is a feature parameter, bounded as the run's own field is, and
+    # leaves the model's columns as they are; every other feature parameter changes them.
+    offered = set(ProductOverride.model_fields)
+    assert offered == set(OVERRIDABLE) <= set(FEATURES.names)
+    base = FeatureParams()
+    for name in FEATURES.names:
+        changed = FEATURES.model.model_validate({name: _another(getattr(base, name))})
+        same_columns = feature_set(dataclasses.replace(base, **{
+            n: getattr(changed, n) for n in FEATURES.names})) == feature_set(base)  # fmt: skip
+        assert same_columns == (name in offered), name
+    bounds = definitions["ProductOverride"]["properties"]["ofi_window"]["anyOf"][0]
+    assert bounds["minimum"] == definitions["FeatureParams"]["properties"]["ofi_window"]["minimum"]
+
+
+def _another(value):
+    return tuple(v + 1 for v in value) if isinstance(value, tuple) else value + 1
+
+
+def test_form_errors_name_the_field_and_instances_pass_through():
+    adapter = TypeAdapter(TrainForm)
+    with pytest.raises(ValidationError) as err:
+        adapter.validate_python({"steps": 0, "device": "gpu", "stepz": 1})
+    assert {e["loc"] for e in err.value.errors()} == {("steps",), ("device",), ("stepz",)}
+    config = TrainConfig(steps=10, device="cpu")
+    assert adapter.validate_python(config) == config
+    assert adapter.validate_python({"steps": "10", "device": "cpu"}) == config
+    assert adapter.dump_python(config, mode="json") == {
+        k: v for k, v in dataclasses.asdict(config).items()
+    }
+
+
+def test_the_form_changes_no_hash_or_key():
+    """The values these had before the form's words were added (commit f741dce): the
+    parameter hash, the feature node kind's code fingerprint, the params digest and a
+    model key. Their modules are fingerprinted, so the words live in tasks/form.py."""
+    assert ResearchParams().hash() == (
+        "7e69d7632e3d54997047a50b285c236d23431269222f12982b333ffe11b1ebeb"
+    )
+    changed = ResearchParams.model_validate({
+        "product_features": {"SYNB": {"ofi_window": 20}}, "train": {"steps": 10},
+        "data": {"products": ["SYNA", "SYNB"]},
+    })  # fmt: skip
+    assert changed.hash() == "9527c67001f64d38bcb022462fe5f7ca848c9180c38786f36e9a27a44b4fede6"
+    assert sha256_json(FeatureParams().canonical()) == (
+        "c89f35963364c4bd39525ee9b8f48574cdacbfa89ed8061bdbaef4c52ff64e24"
+    )
+    assert feature_kind().code == "621a744baaed0d71f802f70a3dbcdff1a8e5d6ae1f04cee72bd87af06e2ff5db"
+    assert model_key(TrainConfig(), ["a", "b"], 0.3) == (
+        "1491751087241e3520b37103718a361666e7225f4d0be5ab68a8fb32b921d6ee"
+    )
+
+
+@pytest.mark.server
+def test_a_picked_block_reaches_the_flow_as_that_block(prefect_api, tmp_path):
+    """What the UI sends for a picked block, {"$ref": {"block_document_id": ...}}, is
+    loaded by Prefect before the flow's parameters are validated; a name still works."""
+    site = Site(name="picked", storage_root=str(tmp_path / "store"), n_workers=3)
+    block_id = site.save("picked-site", overwrite=True)
+    ref = {"$ref": {"block_document_id": str(block_id)}}
+    params = research.validate_parameters({"params": {"workspace": {"site": ref}}})["params"]
+    resolved = params.workspace.resolve_site()
+    assert (resolved.name, resolved.n_workers, resolved.root) == (
+        "picked",
+        3,
+        str(tmp_path / "store"),
+    )
+    by_name = ResearchParams.model_validate({"workspace": {"site": "picked-site"}})
+    assert by_name.workspace.resolve_site().root == str(tmp_path / "store")

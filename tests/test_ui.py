@@ -1,0 +1,268 @@
+"""A researcher's path through the UIs, in a real browser against the real stack.
+
+`quantloop serve` (a Prefect server with its UI, an MLflow server, a process worker
+with the deployments of a prefect.yaml) runs on free loopback ports; Playwright drives
+Debian's Chromium through the research deployment's run form, submits a run with one
+changed field, waits for the worker to finish it, opens its summary artifact and
+follows the artifact's link to the run's page in the MLflow UI. Then Ctrl-C (SIGINT)
+stops the stack, leaving no process behind, and a second start finds the same stores.
+
+The browser is a dependency of the suite: `bash infra/install.sh --dev` installs it.
+Without it this test fails, saying so; outside CI, QUANTLOOP_SKIP_BROWSER=1 turns that
+into a skip. QUANTLOOP_CHROMIUM names another Chromium binary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from quantloop.deploy import PREFECT_YAML, REPO_ROOT
+from tests.servers import free_port
+
+CHROMIUM = os.environ.get("QUANTLOOP_CHROMIUM", "/usr/bin/chromium")
+# Chromium as root needs --no-sandbox; the rest keep it off a network it cannot reach.
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+SERVE_TIMEOUT_S = 420  # a first start on a busy 2-core machine: 20-60 s measured
+RUN_TIMEOUT_S = 300
+
+
+def chromium() -> str:
+    if Path(CHROMIUM).is_file():
+        return CHROMIUM
+    why = (
+        f"no Chromium at {CHROMIUM}: `bash infra/install.sh --dev` installs Debian's "
+        "chromium (as root), or set QUANTLOOP_CHROMIUM to one"
+    )
+    if os.environ.get("QUANTLOOP_SKIP_BROWSER") == "1" and not os.environ.get("CI"):
+        pytest.skip(why)
+    pytest.fail(why)
+
+
+def tiny_deployments(path: Path) -> Path:
+    """infra/prefect.yaml with a research run that takes seconds: one product, two days
+    of 2,000 events, 20 training steps."""
+    config = yaml.safe_load(PREFECT_YAML.read_text())
+    [research] = [d for d in config["deployments"] if d["entrypoint"].endswith(":research")]
+    research["parameters"]["params"].update(
+        data={"products": ["SYNA"], "n_dates": 2,
+              "synthetic": {"events_per_day": 2000, "levels": 2}},
+        train={"steps": 20, "batch_size": 64},
+    )  # fmt: skip
+    research["parameters"]["params"]["workspace"]["n_workers"] = 1
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen, out: Path, prefect: str, mlflow: str):
+        self.proc, self.out, self.prefect, self.mlflow = proc, out, prefect, mlflow
+
+    @property
+    def api(self) -> str:
+        return f"{self.prefect}/api"
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def family(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def ctrl_c(self, timeout: float = 90) -> float:
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=timeout)
+        return time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def serve(home: Path, prefect_file: Path) -> Iterator[Served]:
+    """`quantloop serve` on free loopback ports, until it says it is ready."""
+    prefect_port, mlflow_port = free_port(), free_port()
+    out = home.parent / f"serve-{prefect_port}.out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    with open(out, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "quantloop.cli", "serve", "--home", str(home),
+             "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port),
+             "--prefect-file", str(prefect_file)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+        )  # fmt: skip
+    served = Served(
+        proc, out, f"http://127.0.0.1:{prefect_port}", f"http://127.0.0.1:{mlflow_port}"
+    )
+    try:
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while "ready in" not in served.output():
+            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{served.output()}"
+            assert time.monotonic() < deadline, f"serve not ready:\n{served.output()}"
+            time.sleep(0.5)
+        yield served
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def field(page, title: str):
+    """The input under a form field's label."""
+    label = page.get_by_text(f"{title} (Optional)", exact=True)
+    return label.locator("xpath=following::input[1]")
+
+
+def field_box(page, title: str):
+    return page.get_by_text(f"{title} (Optional)", exact=True).locator("xpath=ancestor::div[3]")
+
+
+def flow_runs(api: str, deployment: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        found = client.read_deployment_by_name(deployment)
+        return client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[found.id]))
+        )
+
+
+def parent_logs(api: str, flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs]
+
+
+def save_site(api: str, name: str, root: Path) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from quantloop.blocks import Site
+
+    with temporary_settings({PREFECT_API_URL: api}):
+        Site(name=name, storage_root=str(root)).save(name, overwrite=True)
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path):
+    from mlflow.tracking import MlflowClient
+    from playwright.sync_api import expect, sync_playwright
+
+    browser_path = chromium()
+    home, deployments = tmp_path / "home", tiny_deployments(tmp_path / "prefect.yaml")
+    with serve(home, deployments) as served:
+        first_start = served.output()
+        save_site(served.api, "onprem-test", tmp_path / "onprem")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=browser_path, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+
+            # The run form, reached as a researcher reaches it.
+            page.goto(served.prefect + "/")
+            page.get_by_role("link", name="Deployments").click()
+            page.get_by_role("row").filter(has_text="research").get_by_role(
+                "link", name="desk"
+            ).click()
+            page.get_by_role("button", name="Run").first.click()
+            page.get_by_role("menuitem", name="Custom run").click()
+            page.get_by_text("Training (Optional)", exact=True).wait_for()
+            for shown in (
+                "Optimizer steps (1 to 10,000,000).",
+                "Synthetic generator (Optional)",
+                "Tick in price units of $0.0001 (LOBSTER's): 100 = one cent (>= 1).",
+                "Per-product features (Optional)",
+                "Held-out share (Optional)",
+                "Mark-out horizons (seconds) (Optional)",
+                "Where to train: auto = the GPU when the worker has one, else CPU.",
+            ):
+                expect(page.get_by_text(shown).first).to_be_visible()
+            assert field(page, "Trading days").input_value() == "2"
+
+            # The site is a picker of saved blocks; the run keeps the default (None).
+            site = field_box(page, "Site")
+            site.get_by_role("tab", name="Site", exact=True).click()
+            site.get_by_text("Select a block...").click()
+            expect(page.get_by_role("option", name="onprem-test")).to_be_visible()
+            page.keyboard.press("Escape")
+            site.get_by_role("tab", name="None", exact=True).click()
+
+            # One changed field: 10 training steps instead of the deployment's 20.
+            steps = field(page, "Steps")
+            assert steps.input_value() == "20"
+            steps.fill("10")
+            page.get_by_role("button", name="Submit").click()
+
+            deadline = time.monotonic() + 60
+            while not (runs := flow_runs(served.api, "research/desk")):
+                assert time.monotonic() < deadline, "no flow run was created"
+                time.sleep(0.5)
+            [run] = runs
+            assert run.parameters["params"]["train"]["steps"] == 10
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while not (run := flow_runs(served.api, "research/desk")[0]).state.is_final():
+                assert time.monotonic() < deadline, f"run still {run.state_name}"
+                time.sleep(1)
+            assert run.state.is_completed(), (
+                f"{run.state}\n" + (home / "serve/logs/prefect-worker.log").read_text()[-4000:]
+            )
+            # Stage progress shows on the parent run itself.
+            logs = parent_logs(served.api, run.id)
+            for stage in ("data", "features", "train", "simulate"):
+                assert any(m.startswith(f"{stage}: started") for m in logs), (stage, logs)
+
+            # The run's page, its summary artifact, and the summary's MLflow link.
+            page.goto(served.prefect + "/")
+            page.get_by_role("link", name="Runs").first.click()
+            page.get_by_role("link", name=run.name).first.click()
+            page.get_by_text("Completed").first.wait_for()
+            page.get_by_role("tab", name="Artifacts").click()
+            page.get_by_role("link", name="research-summary").first.click()
+            page.get_by_role("heading", name="Per product").wait_for()
+            # The markdown renders after its heading appears: wait for the rows.
+            expect(page.get_by_role("cell", name="SYNA", exact=True)).to_have_count(2)
+            research_link = page.get_by_role("listitem").filter(has_text="research:")
+            research_link.get_by_role("link").click()
+            page.wait_for_url(served.mlflow + "/**")
+            page.get_by_text("train.steps", exact=True).wait_for()
+            text = page.inner_text("body")
+            assert re.search(r"train\.steps\s+10\b", text), text[:3000]
+            assert "research" in page.title() or "research" in text
+            mlflow_run_id = page.url.rsplit("/", 1)[-1]
+            browser.close()
+
+        family = served.family()
+        stop_s = served.ctrl_c()
+    assert served.proc.returncode == 0, served.output()
+    assert "stopped prefect worker, mlflow server, prefect server" in served.output()
+    left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], [p.cmdline() for p in left]
+
+    # A second start: the same Prefect database, MLflow store and UI files.
+    with serve(home, deployments) as again:
+        assert "UI built" in again.output() and "first start" not in again.output()
+        assert flow_runs(again.api, "research/desk")[0].id == run.id
+        record = MlflowClient(tracking_uri=again.mlflow).get_run(mlflow_run_id)
+        assert record.info.status == "FINISHED" and record.data.params["train.steps"] == "10"
+        second_start = again.output()
+    print(first_start, f"stopped in {stop_s:.1f} s", second_start, sep="\n")
