@@ -320,37 +320,29 @@ def nodes(
         day = dt.date.fromisoformat(date) if date else None
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--date") from exc
-    records = manifest.load_manifests(root, kind, all_runs=all_runs)
-    if records.num_rows == 0:
+    found = manifest.query(root, kind, all_runs=all_runs, limit=limit, product=product,
+                           date=day, status=status, cache_hit=cache_hit)  # fmt: skip
+    if found.total == 0:
         console.print(f"no {kind} runs recorded under {root}")
         raise typer.Exit(1)
-    rows = manifest.select(records, product=product, date=day, status=status, cache_hit=cache_hit)
     if as_json:
-        typer.echo(json.dumps(rows.slice(0, limit).to_pylist(), indent=1, default=str))
+        typer.echo(json.dumps(found.rows.to_pylist(), indent=1, default=str))
         return
-    hits = pa_sum(rows, "cache_hit")
-    failed = rows.num_rows - pa_sum(rows, "status", "ok")
+    computed = found.matched - found.cache_hits - found.failed
     console.print(
-        f"{rows.num_rows} of {records.num_rows} nodes match ({hits} cache hits, "
-        f"{rows.num_rows - hits - failed} computed, {failed} failed)"
+        f"{found.matched} of {found.total} nodes match ({found.cache_hits} cache hits, "
+        f"{computed} computed, {found.failed} failed)"
     )
     table = Table()
     for col in ("key", "product", "date", "status", "hit", "reason", "rows", "ms", "site", "run"):
         table.add_column(col, justify="right" if col in ("rows", "ms") else "left")
-    for r in rows.slice(0, limit).to_pylist():
+    for r in found.rows.to_pylist():
         table.add_row(
             r["key"][:16], r["product"], r["date"], r["status"], "yes" if r["cache_hit"] else "",
             r["reason"] or r["error"][:40], str(r["rows"]), f"{r['duration_s'] * 1e3:.2f}",
             r["site"], r["run"][:15],
         )  # fmt: skip
     console.print(table)
-
-
-def pa_sum(table, column: str, equal_to=None) -> int:
-    import pyarrow.compute as pc
-
-    values = table[column] if equal_to is None else pc.equal(table[column], equal_to)
-    return int(pc.sum(values).as_py() or 0)
 
 
 if __name__ == "__main__":
