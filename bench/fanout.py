@@ -1,6 +1,8 @@
 """Fan-out benchmark: 100,000 feature nodes through quantloop's engine, against its peers.
 
     python bench/fanout.py                       # 200 products x 500 dates, ~3 minutes here
+    python bench/fanout.py --scale 1m            # 1,000 x 1,000: 10^6 nodes, no peers
+    python bench/fanout.py --scale 10k           # 100 x 100
     python bench/fanout.py --products 20 --dates 50 --out /tmp/fanout.json   # quick look
 
 One process tree, one real Prefect server, one Dask LocalCluster (2 workers, as a
@@ -22,7 +24,8 @@ partitions and the same feature function for every row:
 (d)-(f) compute the same node (read the partition, check its digest, compute the
 features, write the output atomically) one node per task; they run on a sample and
 their rate is what the table reports (nodes/s does not depend on the node count
-once a run is past its first seconds). Results: a table on stdout and a JSON file.
+once a run is past its first seconds), so the larger scales leave them out
+(--no-peers). Results: a table on stdout and a JSON file.
 """
 
 from __future__ import annotations
@@ -46,6 +49,24 @@ sys.path.insert(0, str(ROOT))  # `python bench/fanout.py` from a checkout: tests
 from quantloop.tasks.provenance import git_commit  # noqa: E402
 
 EVENTS_PER_PARTITION = 60  # a small day: the node is far smaller than Dask's per-task cost
+# The driver's glibc malloc, set as Dask sets its workers' (MALLOC_TRIM_THRESHOLD_):
+# with glibc's default dynamic mmap threshold, the MB-sized buffers of batches and
+# their results end up on the heap once the first is freed, and a process that runs
+# run after run kept ~0.1-0.3 GB more after each 10^6-node cold run (713 -> 918 MB
+# after the second here, 0.7 -> 1.3 -> 1.5 GB peaks); fixed thresholds: 617 -> 751
+# -> 695 MB. A deployment's flow run is a process of its own and does not accumulate.
+MALLOC_THRESHOLDS = {"M_TRIM_THRESHOLD": (-1, 128 << 10), "M_MMAP_THRESHOLD": (-3, 128 << 10)}
+
+
+def fix_malloc_thresholds() -> dict[str, int]:
+    """glibc's trim and mmap thresholds fixed for this process (as the environment's
+    MALLOC_TRIM_THRESHOLD_ / MALLOC_MMAP_THRESHOLD_ would at its start)."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return {name: value for name, (param, value) in MALLOC_THRESHOLDS.items()
+            if libc.mallopt(param, value) == 1}  # fmt: skip
 
 
 class RssSampler:
@@ -143,8 +164,12 @@ def one_node(kind, params: dict, node: dict, root: str) -> float:
     return time.perf_counter() - t0
 
 
-def land(catalog, root: str, products: int, dates: int) -> list:
-    """products x dates small partitions; one generated session per product, cut into days."""
+SCALES = {"10k": (100, 100), "100k": (200, 500), "1m": (1_000, 1_000)}  # products, dates
+
+
+def land(catalog, root: str, products: range, dates: int) -> int:
+    """Small partitions of these products x `dates` days; one generated session per
+    product, cut into days, landed product by product (catalog.land_packed streams)."""
     from quantloop.tasks.schema import Partition
     from quantloop.tasks.synthetic import SyntheticConfig, generate_day
 
@@ -152,7 +177,7 @@ def land(catalog, root: str, products: int, dates: int) -> list:
     days = [dt.date(2024, 1, 1) + dt.timedelta(days=i) for i in range(dates)]
 
     def items():
-        for p in range(products):
+        for p in products:
             name = f"P{p:03d}"
             session = generate_day(name, days[0], cfg)
             for i, day in enumerate(days):
@@ -161,22 +186,30 @@ def land(catalog, root: str, products: int, dates: int) -> list:
                     session.slice(i * EVENTS_PER_PARTITION, EVENTS_PER_PARTITION),
                 )
 
-    return catalog.land_packed("fanout", items(), root=root)
+    return sum(catalog.land_packed("fanout", items(), root=root).values())
 
 
-def _land_job(catalog_path: str, root: str, products: int, dates: int) -> int:
+def _land_job(catalog_path: str, root: str, products: range, dates: int) -> int:
     from quantloop.tasks.catalog import Catalog
 
-    return len(land(Catalog(catalog_path), root, products, dates))
+    return land(Catalog(catalog_path), root, products, dates)
 
 
-def land_apart(catalog_path, root: str, products: int, dates: int) -> int:
-    """Land in a process of its own: generating 10^5 partitions leaves ~1 GB of heap
-    that the driver would keep (and the memory figures count) for the whole run."""
+def land_apart(catalog_path, root: str, products: int, dates: int, processes: int) -> int:
+    """Land in processes of their own, a share of the products each: generating the
+    sessions is most of it (~0.27 s per 60,000-event product here), and its heap is
+    not the driver's to keep (nor the memory figures' to count)."""
     import multiprocessing
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_land_job, (str(catalog_path), root, products, dates))
+    from quantloop.tasks.catalog import Catalog
+
+    catalog = Catalog(catalog_path)
+    if catalog.table("fanout").num_rows == products * dates:
+        return products * dates  # a --workdir landed before: the same partitions
+    shares = [range(i, products, processes) for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        landed = pool.starmap(_land_job, [(str(catalog_path), root, s, dates) for s in shares])
+    return sum(landed)
 
 
 def machine() -> str:
@@ -190,8 +223,14 @@ def machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=sorted(SCALES), default=None,
+                        help="products x dates: 10k = 100 x 100, 100k = 200 x 500 (the "
+                        "default), 1m = 1,000 x 1,000 (and --no-peers)")  # fmt: skip
     parser.add_argument("--products", type=int, default=200)
     parser.add_argument("--dates", type=int, default=500)
+    parser.add_argument(
+        "--no-peers", action="store_true", help="skip (d)-(f): per-node costs, not the total's"
+    )
     parser.add_argument("--sample", type=int, default=2_000, help="nodes for (d) and (e)")
     parser.add_argument("--dask-runner-sample", type=int, default=300, help="nodes for (f)")
     parser.add_argument("--workers", type=int, default=2)
@@ -213,16 +252,22 @@ def main() -> None:
         help="only print the markdown table of an existing results file",
     )
     args = parser.parse_args()
+    if args.scale:
+        args.products, args.dates = SCALES[args.scale]
+        args.no_peers = args.no_peers or args.scale != "100k"
+        if args.out == parser.get_default("out") and args.scale != "100k":
+            args.out = args.out.with_name(f"fanout-{args.scale}.json")
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())))
         return
 
     from tests.servers import prefect_server  # the same launcher the tests use
 
+    malloc = fix_malloc_thresholds() if platform.system() == "Linux" else {}
     work = args.workdir or Path(tempfile.mkdtemp(prefix="quantloop-fanout-"))
     work.mkdir(parents=True, exist_ok=True)
     rss = RssSampler()
-    results: dict = {}
+    results: dict = {"driver_malloc": malloc}
     print(f"workdir {work}", flush=True)
     with prefect_server(work / "prefect") as api:
         # Set before Prefect is imported and before the Dask workers start, so every
@@ -241,7 +286,6 @@ def main() -> None:
 
 
 def run(args, work: Path, rss: RssSampler, results: dict) -> None:
-    import pyarrow.compute as pc
     from distributed import Client, LocalCluster
     from prefect import flow, task
     from prefect.task_runners import ThreadPoolTaskRunner
@@ -270,7 +314,7 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
         workspace = Workspace(home=str(work / "home"), site="fanout-bench", experiment="fanout")
         catalog = workspace.catalog()
         t0 = time.perf_counter()
-        n = land_apart(catalog.path, site.root, args.products, args.dates)
+        n = land_apart(catalog.path, site.root, args.products, args.dates, args.workers)
         results["setup"] = {"land_s": time.perf_counter() - t0, "nodes": n}
         print(f"landed {n} partitions in {results['setup']['land_s']:.1f} s", flush=True)
         selection = Selection(dataset="fanout")
@@ -306,16 +350,14 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
                     wall = time.perf_counter() - t
                 else:
                     result, wall = as_stage(product_features)
-            m = result.manifest
-            ran = m.filter(pc.invert(m["cache_hit"]))
-            compute_s = pc.sum(ran["duration_s"]).as_py() or 0.0
+            compute_s = result.compute_s
             results[name].update(
                 nodes=result.nodes, wall_s=wall, computed=result.computed,
                 cache_hits=result.cache_hits, failed=result.failed,
                 nodes_per_s=result.nodes / wall, node_compute_s=compute_s,
                 efficiency=compute_s / args.workers / wall if result.computed else None,
                 batch_size=result.batch_size, batches=result.batches,
-                recomputed_products=sorted(set(ran["product"].to_pylist()))[:5],
+                recomputed_products=recomputed_products(result.manifest_url),
             )  # fmt: skip
             print(f"{name}: {result.nodes} nodes, {result.computed} computed in {wall:.2f} s",
                   flush=True)  # fmt: skip
@@ -329,8 +371,7 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
         # This VM's speed drifts by +-20% from run to run, so (a) runs several times
         # from an empty store and the table reports the median run (all are kept).
         for i in range(args.cold_repeats):
-            if i:
-                forget_outputs()
+            forget_outputs()  # each from an empty store (a --workdir may hold an old one)
             engine(f"a_cold_{i}")
         colds = sorted((results.pop(f"a_cold_{i}") for i in range(args.cold_repeats)),
                        key=lambda r: r["wall_s"])  # fmt: skip
@@ -345,6 +386,9 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
         engine("a_cold_top_level", top_level=True)
         engine("b_noop")
         engine("c_one_product", {"P007": {"ofi_window": 12}})
+        if args.no_peers:
+            mlflow.set_terminated(parent, "FINISHED")
+            return
 
         planned = plan_features(stage(None))
         kind, by_digest = planned.kind, planned.params
@@ -396,9 +440,24 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
         mlflow.set_terminated(parent, "FINISHED")
 
 
+def recomputed_products(manifest_url: str) -> list[str]:
+    """The first five products with a computed node, from the run's manifest files."""
+    import pyarrow.compute as pc
+
+    from quantloop.tasks import storage
+    from quantloop.tasks.engine import run_parts
+
+    products: set[str] = set()
+    for part in run_parts(manifest_url):
+        t = storage.read_parquet(part, ["product"], pc.field("cache_hit") == False)  # noqa: E712
+        products.update(pc.unique(t["product"]).to_pylist())
+    return sorted(products)[:5]
+
+
 def report(args, results: dict) -> None:
+    malloc = results.pop("driver_malloc", {})
     a = results["a_cold"]
-    rows = ROWS
+    rows = [(label, key) for label, key in ROWS if key in results]
     print()
     print(f"{'run':44} {'nodes':>8} {'computed':>9} {'wall s':>8} {'nodes/s':>9} "
           f"{'peak RSS MB':>12} {'(a)/this':>9}")  # fmt: skip
@@ -408,27 +467,37 @@ def report(args, results: dict) -> None:
         ratio = a["nodes_per_s"] / r["nodes_per_s"]
         print(f"{label:44} {r['nodes']:>8} {computed:>9} {r['wall_s']:>8.2f} "
               f"{r['nodes_per_s']:>9.0f} {r['peak_rss_mb']:>12.0f} {ratio:>9.1f}")  # fmt: skip
-    print(f"\n(d)-(f) ran on samples of {results['d_raw_dask']['nodes']}, "
-          f"{results['e_prefect_threads']['nodes']} and {results['f_prefect_dask']['nodes']} "
-          f"nodes; their nodes/s is the sample's rate. (a)/this: how many times the engine's "
-          f"cold node rate is this run's rate.")  # fmt: skip
     print(
-        f"(a) scheduling efficiency (node compute s / {args.workers} workers / wall s): "
+        f"\n(a) scheduling efficiency (node compute s / {args.workers} workers / wall s): "
         f"{a['efficiency']:.2f}; {a['batches']} Dask tasks of up to {a['batch_size']} nodes"
     )
+    peers = all(k in results for k in PEER_RUNS)
+
+    def rate(key: str) -> float | None:
+        return results[key]["nodes_per_s"] if peers else None
+
+    b, c = results["b_noop"], results["c_one_product"]
     summary = {
         "nodes": a["nodes"],
+        "products": args.products,
+        "dates": args.dates,
         "cold_s": a["wall_s"],
-        "noop_rerun_s": results["b_noop"]["wall_s"],
-        "one_product_rerun_s": results["c_one_product"]["wall_s"],
-        "one_product_rerun_nodes": results["c_one_product"]["computed"],
-        "raw_dask_nodes_per_s": results["d_raw_dask"]["nodes_per_s"],
-        "prefect_thread_nodes_per_s": results["e_prefect_threads"]["nodes_per_s"],
-        "prefect_dask_nodes_per_s": results["f_prefect_dask"]["nodes_per_s"],
+        "noop_rerun_s": b["wall_s"],
+        "one_product_rerun_s": c["wall_s"],
+        "one_product_rerun_nodes": c["computed"],
+        # What the one-product re-run would take in proportion to its nodes: the no-op's
+        # wall time plus its nodes' own compute spread over the workers.
+        "one_product_proportional_s": b["wall_s"] + c["node_compute_s"] / args.workers,
+        "raw_dask_nodes_per_s": rate("d_raw_dask"),
+        "prefect_thread_nodes_per_s": rate("e_prefect_threads"),
+        "prefect_dask_nodes_per_s": rate("f_prefect_dask"),
         "engine_nodes_per_s": a["nodes_per_s"],
-        "engine_vs_raw_dask": a["nodes_per_s"] / results["d_raw_dask"]["nodes_per_s"],
-        "engine_vs_prefect_thread": a["nodes_per_s"] / results["e_prefect_threads"]["nodes_per_s"],
-        "engine_vs_prefect_dask": a["nodes_per_s"] / results["f_prefect_dask"]["nodes_per_s"],
+        "engine_vs_raw_dask": a["nodes_per_s"] / rate("d_raw_dask") if peers else None,
+        "engine_vs_prefect_thread": (
+            a["nodes_per_s"] / rate("e_prefect_threads") if peers else None
+        ),
+        "engine_vs_prefect_dask": a["nodes_per_s"] / rate("f_prefect_dask") if peers else None,
+        "peers": "measured" if peers else PEERS_SKIPPED,
         "efficiency": a["efficiency"],
         "cold_s_repeats": [r["wall_s"] for r in a["repeats"]],
         "cold_top_level_s": results["a_cold_top_level"]["wall_s"],
@@ -436,11 +505,12 @@ def report(args, results: dict) -> None:
         "efficiency_repeats": [r["efficiency"] for r in a["repeats"]],
         # The engine's runs (a)-(c); the peers' runs are reported apart.
         "peak_rss_mb": max(results[k]["peak_rss_mb"] for k in ENGINE_RUNS),
-        "peers_peak_rss_mb": max(results[k]["peak_rss_mb"] for k in PEER_RUNS),
+        "peers_peak_rss_mb": (max(results[k]["peak_rss_mb"] for k in PEER_RUNS) if peers else None),
         "peak_rss_mb_by_role": max(
             (results[k] for k in ENGINE_RUNS), key=lambda r: r["peak_rss_mb"]
         ).get("peak_rss_mb_by_role", {}),
         "workers": args.workers,
+        "driver_malloc": malloc,  # glibc thresholds fixed in the driver (fix_malloc_thresholds)
         "events_per_partition": EVENTS_PER_PARTITION,
         "machine": machine(),
         "commit": git_commit(short=True),
@@ -453,6 +523,10 @@ def report(args, results: dict) -> None:
     print(f"\nwritten to {args.out} and {args.out.with_suffix('.md')}")
 
 
+PEERS_SKIPPED = (
+    "not run: (d)-(f) measure a per-node cost (one Dask or Prefect task per node), which "
+    "does not depend on the total; bench/results/fanout.json has them at 10^5 nodes"
+)
 ENGINE_RUNS = ("a_cold", "a_cold_top_level", "b_noop", "c_one_product")
 PEER_RUNS = ("d_raw_dask", "e_prefect_threads", "f_prefect_dask")
 ROWS = [
@@ -478,23 +552,35 @@ def markdown(summary: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label, key in ROWS:
+        if key not in runs:
+            continue
         r = runs[key]
         lines.append(
             f"| {label} | {r['nodes']:,} | {r.get('computed', r['nodes']):,} | "
             f"{r['wall_s']:.2f} | {r['nodes_per_s']:,.0f} | {r['peak_rss_mb']:,.0f} | "
             f"{a['nodes_per_s'] / r['nodes_per_s']:.1f} |"
         )
+    if summary.get("peers", "measured") == "measured":
+        peers = (
+            f"(d), (e) and (f) ran on samples of {runs['d_raw_dask']['nodes']:,}, "
+            f"{runs['e_prefect_threads']['nodes']:,} and {runs['f_prefect_dask']['nodes']:,} "
+            "nodes; their nodes/s is the sample's rate. "
+        )
+    else:
+        peers = f"(d)-(f) {summary['peers']}. "
+    c = runs["c_one_product"]
     lines += [
         "",
-        f"(d), (e) and (f) ran on samples of {runs['d_raw_dask']['nodes']:,}, "
-        f"{runs['e_prefect_threads']['nodes']:,} and {runs['f_prefect_dask']['nodes']:,} nodes; "
-        "their nodes/s is the sample's rate. (a) is the median of "
+        peers + "(a) is the median of "
         f"{len(summary['cold_s_repeats'])} cold runs (wall s: "
         f"{', '.join(f'{w:.2f}' for w in summary['cold_s_repeats'])}; efficiency: "
         f"{', '.join(f'{e:.2f}' for e in summary['efficiency_repeats'])}). "
         "Scheduling efficiency of (a) (node compute "
         f"seconds / workers / wall seconds): {summary['efficiency']:.2f}; the engine ran "
-        f"{a.get('batches', 0):,} Dask tasks of up to {a['batch_size']:,} nodes. (a), (b) and "
+        f"{a.get('batches', 0):,} Dask tasks of up to {a['batch_size']:,} nodes. (c) computed "
+        f"{c['computed']:,} nodes ({c['node_compute_s']:.2f} s of node work) in "
+        f"{c['wall_s']:.2f} s, against {summary['one_product_proportional_s']:.2f} s for the "
+        "no-op's wall time plus that work over the workers. (a), (b) and "
         "(c) run the features flow as the research flow runs it, a stage without its own "
         "heartbeat thread; (a') is a flow run of its own, which ends on the next tick of "
         "Prefect's heartbeat thread (joined at exit with 1 s sleep granularity): "
@@ -505,7 +591,14 @@ def markdown(summary: dict) -> str:
             f"{role} {mb:,.0f} MB"
             for role, mb in sorted(summary.get("peak_rss_mb_by_role", {}).items())
         )
-        + ".",
+        + "."
+        + (
+            " The driver runs with glibc's malloc thresholds fixed ("
+            + ", ".join(f"{k} {v:,}" for k, v in summary["driver_malloc"].items())
+            + " bytes), as Dask runs its workers."
+            if summary.get("driver_malloc")
+            else ""
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -74,23 +74,32 @@ class Site(Block):
 
     @contextlib.contextmanager
     def client(self) -> Iterator[object]:
-        """A `distributed.Client` to the site's cluster, closed on exit."""
+        """A `distributed.Client` to the site's cluster, closed on exit.
+
+        The client is not entered as a context manager: that makes it the "current"
+        client of the calling thread's context, and a flow may open it in one shard's
+        thread and close it in its own (distributed then refuses the context reset).
+        """
         from distributed import Client, LocalCluster
 
         if self.scheduler_address:
-            with Client(self.scheduler_address, timeout="30s") as client:
+            client = Client(self.scheduler_address, timeout="30s")
+            try:
                 yield client
+            finally:
+                client.close()
             return
         # Processes, not threads: feature nodes are NumPy-heavy Python and hold the GIL.
-        with (
-            LocalCluster(
-                n_workers=self.n_workers,
-                threads_per_worker=self.threads_per_worker,
-                processes=True,
-                dashboard_address=None,
-                silence_logs=40,
-                preload=list(WORKER_PRELOAD),
-            ) as cluster,
-            Client(cluster) as client,
-        ):
-            yield client
+        with LocalCluster(
+            n_workers=self.n_workers,
+            threads_per_worker=self.threads_per_worker,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=40,
+            preload=list(WORKER_PRELOAD),
+        ) as cluster:
+            client = Client(cluster)
+            try:
+                yield client
+            finally:
+                client.close()

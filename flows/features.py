@@ -1,19 +1,21 @@
 """The features stage: one node per (product, date), run on the site's Dask cluster.
 
 Prefect sees shards (a task per chunk of up to `shard_size` nodes); Dask sees
-batches of nodes; every node keeps its own key, output and manifest row.
+batches of nodes; every node keeps its own key, output and manifest row. A shard
+plans its nodes, looks them up, runs them and writes its part of the run's
+manifest; the flow holds a few shards at a time, never the whole run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as dt
 import json
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Mapping
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -23,91 +25,99 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
+from quantloop.blocks.site import Site
 from quantloop.tasks import progress, storage, tracking
-from quantloop.tasks.engine import MANIFEST_SCHEMA, NodeKind, NodeStore, RunResult, run_nodes
-from quantloop.tasks.planning import (
-    feature_kind,
-    param_digests,
-    plan_feature_table,
-    product_params,
-    shards,
+from quantloop.tasks.engine import (
+    NodeKind,
+    NodeStore,
+    RunRecords,
+    RunSummary,
+    plan_nodes,
+    run_nodes,
 )
+from quantloop.tasks.planning import feature_kind, param_digests, product_params, shards
 from quantloop.tasks.stage import StageParams
-from quantloop.tasks.summary import csv_bytes, failures, node_summary
+from quantloop.tasks.summary import NODE_COLUMNS, csv_bytes, node_summary
 from quantloop.tasks.workspace import Workspace
 
 PROGRESS_EVERY_S = 5.0
+# Shards planned and running at once: the next shard's batches (a lower Dask priority)
+# wait while one runs and fill its tail, so no worker idles there, and the driver
+# holds two shards' plans, index rows and manifest rows, never the run's (10^6 rows
+# of each are ~0.3-0.6 GB).
+SHARDS_IN_FLIGHT = 2
 
 
 class NodeFailures(RuntimeError):
     """Some nodes failed; their partitions and errors are listed, the rest are cached."""
 
 
+class SiteClient:
+    """The site's Dask client, started (or connected to) by the first shard that has a
+    node to run: a run whose nodes are all cached starts no cluster."""
+
+    def __init__(self, site: Site, stack: contextlib.ExitStack):
+        self._site, self._stack = site, stack
+        self._lock = threading.Lock()
+        self._client = None
+
+    def __call__(self):
+        with self._lock:
+            if self._client is None:
+                self._client = self._stack.enter_context(self._site.client())
+            return self._client
+
+
 @task(name="feature-shard", cache_policy=NO_CACHE)
 def feature_shard(
     kind: NodeKind,
-    params: Mapping[str, dict],
-    nodes: pa.Table,  # a plan (NODES_SCHEMA)
+    params: Mapping[str, dict],  # canonical parameters by digest
+    params_of: Mapping[str, str],  # parameters digest by product
+    entries: pa.Table,  # the shard's rows of the catalog table
     store_root: str,
     site: str,
-    client: object | None,
-    shard: str,
-    index: pa.Table | None = None,
-) -> RunResult:
+    connect: SiteClient,
+    shard: int,
+    records: RunRecords,
+) -> RunSummary:
     # Progress the researcher sees in the Prefect UI; each update is an API call that
     # costs the server CPU, so a shard sends one every few seconds. The artifact is
     # made at the first report, which comes once the shard's first batches are
     # submitted: the workers start while this call goes to the server.
     artifact: list = []
     last = [0.0]
+    name = f"{site}-{shard}"
 
     def report(done: int, total: int) -> None:
-        progress.report(f"features {shard}", done, total)
+        progress.report(f"features {name}", done, total)
         now = time.monotonic()
         percent = 100.0 * done / max(total, 1)
         if not artifact:
             artifact.append(
-                create_progress_artifact(percent, description=f"feature nodes of shard {shard}")
+                create_progress_artifact(percent, description=f"feature nodes of shard {name}")
             )
             last[0] = now
         elif done == total or now - last[0] >= PROGRESS_EVERY_S:
             last[0] = now
             update_progress_artifact(artifact[0], percent)
 
-    result = run_nodes(
-        kind,
-        params,
-        nodes,
-        NodeStore(store_root),
-        client=client,
-        site=site,
-        progress=report,
-        index=index,
-    )
+    # Planned here, not in the flow: a task's arguments stay referenced until the
+    # flow ends, and a slice of the catalog table costs nothing to hold.
+    nodes = plan_nodes(kind, entries, params_of)
+    store = NodeStore(store_root)
+    result = run_nodes(kind, params, nodes, store, connect=connect, site=site, progress=report,
+                       priority=-shard)  # fmt: skip
+    records.write(shard, result.manifest)
     get_run_logger().info(
         "shard %s: %d nodes, %d cache hits, %d computed, %d failed in %.2f s",
-        shard,
+        name,
         result.nodes,
         result.cache_hits,
         result.computed,
         result.failed,
         result.wall_s,
     )
-    return result
-
-
-def why_recomputed(manifest: pa.Table) -> dict[str, int]:
-    """Counts of computed nodes by the part of their key that changed (new, code, params, ...)."""
-    ran = manifest["reason"].filter(pc.invert(manifest["cache_hit"]))  # one column, not all
-    counts = pc.value_counts(ran).to_pylist() if len(ran) else []
-    return {c["values"]: c["counts"] for c in counts}
-
-
-def all_cached(nodes: pa.Table, index: pa.Table) -> bool:
-    """Whether every node of a plan table is in the index."""
-    if nodes.num_rows == 0:
-        return True
-    return bool(pc.all(pc.is_in(nodes["key"], value_set=index["key"].combine_chunks())).as_py())
+    return result.summary()
 
 
 def save_params(root: str, by_digest: Mapping[str, dict]) -> None:
@@ -120,10 +130,10 @@ def save_params(root: str, by_digest: Mapping[str, dict]) -> None:
 
 def manifest_url(root: str, kind: str) -> str:
     """Where this run's node records go, beside the outputs: what `quantloop nodes`
-    queries (one Parquet file per run)."""
+    queries (a folder per run, a Parquet file per shard)."""
     run_id = flow_run.id or uuid.uuid4().hex
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
-    return storage.join(root, "manifests", kind, f"{stamp}-{run_id}.parquet")
+    return storage.join(root, "manifests", kind, f"{stamp}-{run_id}")
 
 
 @flow(name="features")
@@ -131,11 +141,12 @@ def features(
     stage: StageParams = StageParams(),
     shard_size: int = 50_000,
     parent_run_id: str | None = None,
-) -> RunResult:
+) -> RunSummary:
     """Compute, or find in the cache, the feature node of every selected partition.
 
     With `parent_run_id`, records a "features" MLflow child run: counts, throughput,
-    the hashes, and the node manifest as a Parquet artifact.
+    the hashes, and the node manifest (a Parquet file per shard) as artifacts, with a
+    per-product summary and the failures as CSV tables the MLflow UI shows.
 
     Args:
         stage: The workspace, the partitions (products x dates of a landed dataset) and
@@ -148,82 +159,62 @@ def features(
     t0 = time.perf_counter()
     logger = get_run_logger()
     workspace = stage.workspace
-    entries = stage.selection.table(workspace.catalog())  # columns: no object per partition
+    # Columns, memory-mapped: no object per partition, and shards slice it for free.
+    entries = stage.selection.table(workspace.catalog())
     kind = feature_kind()
     per_product = product_params(
         stage.features, stage.product_features, pc.unique(entries["product"]).to_pylist()
     )
     site = workspace.resolve_site()
     logger.info("%d feature nodes on site %s (%s)", entries.num_rows, site.name, site.root)
-    _, by_digest = param_digests(per_product)
+    params_of, by_digest = param_digests(per_product)
     save_params(site.root, by_digest)
-    store = NodeStore(site.root)
-    index = store.index(kind.name)  # one read for every shard of the run
+    records = RunRecords(manifest_url(site.root, kind.name))
+    summary = RunSummary()
     with contextlib.ExitStack() as stack:
-        client = None
-        futures = []
-        # Shards are planned and submitted one after the other, so the workers start
-        # on the first while the rest are planned; they run side by side, so the
-        # cluster sees every batch at once and no worker idles at a shard's tail.
+        connect = SiteClient(site, stack)
+        running: deque = deque()
+        # Shards are submitted one after the other and run side by side, a few at a
+        # time: the cluster sees the next shard's batches while one ends.
         for i, shard_entries in enumerate(shards(entries, shard_size)):
-            nodes, _ = plan_feature_table(shard_entries, per_product, kind)
-            if client is None and not all_cached(nodes, index):
-                # The cluster is started (or connected to) only if a node must run.
-                client = stack.enter_context(site.client())
-            futures.append(
-                # quote(): Prefect would otherwise walk every node of the shard to find
-                # task dependencies (seconds per 10,000 nodes).
+            # quote(): Prefect would otherwise walk every argument looking for task
+            # dependencies (seconds per 10,000 nodes).
+            running.append(
                 feature_shard.submit(
-                    quote(kind), quote(by_digest), quote(nodes), site.root, site.name,
-                    quote(client), f"{site.name}-{i}", quote(index),
+                    quote(kind), quote(by_digest), quote(params_of), quote(shard_entries),
+                    site.root, site.name, quote(connect), i, quote(records),
                 )
             )  # fmt: skip
-        results = [f.result() for f in futures]
-    store.compact(kind.name, min_segments=256)
-    manifest = (
-        pa.concat_tables([r.manifest for r in results])
-        if results
-        else MANIFEST_SCHEMA.empty_table()
-    )
-    result = RunResult(
-        manifest=manifest,
-        nodes=sum(r.nodes for r in results),
-        cache_hits=sum(r.cache_hits for r in results),
-        computed=sum(r.computed for r in results),
-        failed=sum(r.failed for r in results),
-        wall_s=time.perf_counter() - t0,  # planning included; shards overlap
-        batch_size=max((r.batch_size for r in results), default=0),
-        batches=sum(r.batches for r in results),
-    )
-    reasons = why_recomputed(manifest)
+            while len(running) >= SHARDS_IN_FLIGHT:
+                summary.add(running.popleft().result())
+        while running:
+            summary.add(running.popleft().result())
+    NodeStore(site.root).compact(kind.name)
+    summary.wall_s = time.perf_counter() - t0  # planning included; shards overlap
+    summary.manifest_url = records.url
     line = (
-        f"{result.nodes:,} nodes: {result.cache_hits:,} cache hits, {result.computed:,} "
-        f"computed, {result.failed:,} failed in {result.wall_s:.1f} s"
+        f"{summary.nodes:,} nodes: {summary.cache_hits:,} cache hits, {summary.computed:,} "
+        f"computed, {summary.failed:,} failed in {summary.wall_s:.1f} s"
     )
-    if reasons:  # the part of each recomputed node's key that changed (new: none before)
-        line += " (why: " + ", ".join(f"{k} {v:,}" for k, v in reasons.items()) + ")"
+    if summary.reasons:  # the part of each recomputed node's key that changed (new: none before)
+        line += " (why: " + ", ".join(f"{k} {v:,}" for k, v in summary.reasons.items()) + ")"
     logger.info("features: %s", line)
     progress.note("features", line)
-    url = manifest_url(site.root, kind.name)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        # The manifest is encoded once (for its file and MLflow's artifact) while the
-        # MLflow run is made: Parquet encoding releases the GIL, MLflow calls wait on I/O.
-        encoded = pool.submit(storage.parquet_bytes, manifest)
-        written = pool.submit(lambda: storage.write_bytes_atomic(url, encoded.result()))
-        if parent_run_id is not None:
-            run_id = record(
-                workspace, parent_run_id, kind, by_digest, site.name, result, encoded.result
-            )
-            result = dataclasses.replace(result, mlflow_run_id=run_id)
-        written.result()
-    logger.info("node manifest: %s", url)
-    if result.failed:
-        lines = "\n  ".join(result.failures[:20])
-        raise NodeFailures(
-            f"{result.failed} of {result.nodes} feature nodes failed "
-            f"(the other {result.nodes - result.failed} are stored and cached):\n  {lines}"
+    if parent_run_id is not None:
+        summary.mlflow_run_id = record(
+            workspace, parent_run_id, kind, by_digest, site.name, summary, records
         )
-    return result
+    records.close(summary)  # last: the run is recorded once every part is
+    logger.info("node manifest: %s", records.url)
+    if summary.failed:
+        lines = "\n  ".join(summary.failures)
+        more = summary.failed - len(summary.failures)
+        raise NodeFailures(
+            f"{summary.failed} of {summary.nodes} feature nodes failed "
+            f"(the other {summary.nodes - summary.failed} are stored and cached):\n  {lines}"
+            + (f"\n  ... and {more} more (quantloop nodes --status failed)" if more else "")
+        )
+    return summary
 
 
 def record(
@@ -232,34 +223,45 @@ def record(
     kind: NodeKind,
     params: Mapping[str, dict],
     site: str,
-    result: RunResult,
-    manifest_bytes: Callable[[], bytes],
+    summary: RunSummary,
+    records: RunRecords,
 ) -> str:
-    """One MLflow child run for the stage: summary metrics and the manifest, no per-node call."""
-    m = result.manifest
-    compute_s = pc.sum(m["duration_s"].filter(pc.invert(m["cache_hit"]))).as_py() or 0.0
+    """One MLflow child run for the stage: summary metrics and the manifest's parts as
+    artifacts (copied one file at a time), no per-node call."""
     client, experiment = tracking.client_for(workspace.resolve_tracking())
     with tracking.run(client, experiment, "features", parent=parent_run_id) as run:
         run.params({"node_kind": kind.name, "code_fingerprint": kind.code, "site": site})
         run.params({"params_hashes": ",".join(sorted(params))})
-        run.tags({"site": site})
+        run.tags({"site": site, tracking.MANIFEST_TAG: records.url})
         run.metrics(
             {
-                "nodes": result.nodes,
-                "cache_hits": result.cache_hits,
-                "computed": result.computed,
-                "failed": result.failed,
-                "wall_s": result.wall_s,
-                "nodes_per_s": result.nodes / result.wall_s if result.wall_s else 0.0,
-                "node_compute_s": compute_s,
-                "output_rows": pc.sum(m["rows"]).as_py() or 0,
-                "output_bytes": pc.sum(m["output_length"]).as_py() or 0,
-                **{f"recomputed.{k}": v for k, v in why_recomputed(m).items()},
+                "nodes": summary.nodes,
+                "cache_hits": summary.cache_hits,
+                "computed": summary.computed,
+                "failed": summary.failed,
+                "wall_s": summary.wall_s,
+                "nodes_per_s": summary.nodes / summary.wall_s if summary.wall_s else 0.0,
+                "node_compute_s": summary.compute_s,
+                "output_rows": summary.output_rows,
+                "output_bytes": summary.output_bytes,
+                **{f"recomputed.{k}": v for k, v in summary.reasons.items()},
             }
         )
-        run.file(manifest_bytes(), "features_manifest.parquet", "manifest")
-        # What the UI can show of the nodes: per product, and every failure.
-        run.file(csv_bytes(node_summary(m)), "nodes_by_product.csv", "manifest")
-        if result.failed:
-            run.file(csv_bytes(failures(m)), "failed_nodes.csv", "manifest")
+        for url in records.parts():
+            name = url.rsplit("/", 1)[-1]
+            if "://" in url:  # on object storage: through this process, one part at a time
+                run.file(storage.read_bytes(url), name, MANIFEST_ARTIFACTS)
+            else:
+                run.artifact(url, MANIFEST_ARTIFACTS)
+        # What the UI can show of the nodes: per product, and every failure; read a
+        # part at a time, as the manifest is written.
+        by_product, failed = node_summary(
+            storage.read_parquet(url, NODE_COLUMNS) for url in records.parts()
+        )
+        run.file(csv_bytes(by_product), "nodes_by_product.csv", "manifest")
+        if failed.num_rows:
+            run.file(csv_bytes(failed), "failed_nodes.csv", "manifest")
         return run.run_id
+
+
+MANIFEST_ARTIFACTS = "manifest/features_manifest"  # the run's manifest parts in MLflow

@@ -468,20 +468,41 @@ def nodes(
     ] = None,
     limit: Annotated[int, typer.Option(help="Rows to show")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+    run: Annotated[
+        str | None,
+        typer.Option(
+            help="A research run (MLflow run id or Prefect flow run id): its nodes, "
+            "found from the run's record, wherever its workspace is"
+        ),
+    ] = None,
+    tracking_uri: TrackingUriOption = None,
 ) -> None:
     """Query node records: filter the run manifests, or show one node's lineage."""
     import datetime as dt
 
-    from quantloop.tasks import manifest
+    from quantloop.tasks import manifest, runs, tracking
+    from quantloop.tasks.catalog import Catalog
     from quantloop.tasks.workspace import Workspace
 
     ws = Workspace(home=home, site=site)
-    root = ws.resolve_site().root
+    run_url = None
+    if run is not None:
+        try:
+            client, _ = tracking.client_for(_workspace(home, tracking_uri).resolve_tracking())
+            research = runs.find_research_run(client, run)
+            features_run = runs.stage_runs(client, research)["features"]
+            root = research.data.tags[tracking.STORE_TAG]
+            catalog = Catalog(research.data.tags[tracking.CATALOG_TAG])
+            run_url = features_run.data.tags[tracking.MANIFEST_TAG]
+        except (LookupError, KeyError) as exc:
+            fail(f"--run {run}: {exc}")
+    else:
+        root, catalog = ws.resolve_site().root, ws.catalog()
     if lineage is not None:
         try:
-            found = manifest.lineage(root, ws.catalog(), lineage, kind)
+            found = manifest.lineage(root, catalog, lineage, kind)
         except LookupError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--lineage") from exc
+            fail(f"--lineage {lineage}: {exc}")
         typer.echo(json.dumps(found, indent=2, default=str))
         return
     if status not in (None, "ok", "failed"):
@@ -490,37 +511,33 @@ def nodes(
         day = dt.date.fromisoformat(date) if date else None
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--date") from exc
-    records = manifest.load_manifests(root, kind, all_runs=all_runs)
-    if records.num_rows == 0:
-        console.print(f"no {kind} runs recorded under {root}")
-        raise typer.Exit(1)
-    rows = manifest.select(records, product=product, date=day, status=status, cache_hit=cache_hit)
+    found = manifest.query(root, kind, all_runs=all_runs, limit=limit, product=product,
+                           date=day, status=status, cache_hit=cache_hit,
+                           run_url=run_url)  # fmt: skip
+    if found.total == 0:
+        fail(f"no {kind} runs recorded under {root}", code=1)
+    if found.matched == 0:
+        given = {k: v for k, v in dict(product=product, date=date, status=status,
+                                       cache_hit=cache_hit).items() if v is not None}  # fmt: skip
+        fail(f"none of the {found.total:,} recorded nodes matches {given}", code=1)
     if as_json:
-        typer.echo(json.dumps(rows.slice(0, limit).to_pylist(), indent=1, default=str))
+        typer.echo(json.dumps(found.rows.to_pylist(), indent=1, default=str))
         return
-    hits = pa_sum(rows, "cache_hit")
-    failed = rows.num_rows - pa_sum(rows, "status", "ok")
+    computed = found.matched - found.cache_hits - found.failed
     console.print(
-        f"{rows.num_rows} of {records.num_rows} nodes match ({hits} cache hits, "
-        f"{rows.num_rows - hits - failed} computed, {failed} failed)"
+        f"{found.matched} of {found.total} nodes match ({found.cache_hits} cache hits, "
+        f"{computed} computed, {found.failed} failed)"
     )
     table = Table()
     for col in ("key", "product", "date", "status", "hit", "reason", "rows", "ms", "site", "run"):
         table.add_column(col, justify="right" if col in ("rows", "ms") else "left")
-    for r in rows.slice(0, limit).to_pylist():
+    for r in found.rows.to_pylist():
         table.add_row(
             r["key"][:16], r["product"], r["date"], r["status"], "yes" if r["cache_hit"] else "",
             r["reason"] or r["error"][:40], str(r["rows"]), f"{r['duration_s'] * 1e3:.2f}",
             r["site"], r["run"][:15],
         )  # fmt: skip
     console.print(table)
-
-
-def pa_sum(table, column: str, equal_to=None) -> int:
-    import pyarrow.compute as pc
-
-    values = table[column] if equal_to is None else pc.equal(table[column], equal_to)
-    return int(pc.sum(values).as_py() or 0)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import itertools
 import os
 import sqlite3
-from collections.abc import Iterable
+import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import pyarrow as pa
+import pyarrow.ipc as ipc
 
 from quantloop.tasks import storage
 from quantloop.tasks.schema import Partition, levels_of
@@ -51,6 +54,10 @@ CREATE TABLE IF NOT EXISTS versions (
 def _day(cache: dict[str, dt.date], text: str) -> dt.date:
     cache[text] = dt.date.fromisoformat(text)
     return cache[text]
+
+
+# A snapshot's location dictionary grows batch by batch: stored as deltas.
+_DELTAS = ipc.IpcWriteOptions(emit_dictionary_deltas=True)
 
 
 class Entry(NamedTuple):
@@ -145,52 +152,57 @@ class Catalog:
         root: str,
         site: str = "local",
         source: str = "",
-    ) -> list[Landed]:
-        """Land many small partitions: one pack of Arrow IPC blobs per product.
+    ) -> dict[str, int]:
+        """Land many small partitions: one pack of Arrow IPC blobs per product; returns
+        how many partitions were new, unchanged and changed.
 
         For datasets of many small days (scale tests, tick-size samples), where a
-        Parquet file per partition costs more to open than to compute on.
-        Unchanged partitions are left as they are; the others are recorded in one
-        transaction after their pack is complete.
+        Parquet file per partition costs more to open than to compute on. Streamed:
+        items given product by product are landed one product at a time (a product's
+        tables, its pack and its rows are all that is held; 10^6 partitions held
+        at once took ~10 GB). A product whose items are not consecutive gets one pack
+        per run of them. Unchanged partitions are left as they are; the others are
+        recorded in one transaction per product after their pack is complete.
         """
-        current = {e.partition: e for e in self.entries(dataset)}
-        by_product: dict[str, list[tuple[Partition, pa.Table]]] = {}
-        for part, table in items:
-            by_product.setdefault(part.product, []).append((part, table))
-        landed: list[Landed] = []
-        for product, parts in sorted(by_product.items()):
-            blobs = [(p, t, storage.arrow_bytes(t)) for p, t in parts]
-            digests = [storage.sha256_hex(b) for _, _, b in blobs]
-            if all(
-                p in current and current[p].digest == d
-                for (p, _, _), d in zip(blobs, digests, strict=True)
-            ):
-                landed += [Landed(current[p], "unchanged") for p, _, _ in blobs]
+        counts = {"new": 0, "unchanged": 0, "changed": 0}
+        for product, group in itertools.groupby(items, key=lambda item: item[0].product):
+            parts = list(group)
+            current = self._digests(dataset, product)
+            blobs = [storage.arrow_bytes(t) for _, t in parts]
+            digests = [storage.sha256_hex(b) for b in blobs]
+            before = [current.get(part.date.isoformat()) for part, _ in parts]
+            if all(old == d for old, d in zip(before, digests, strict=True)):
+                counts["unchanged"] += len(parts)
                 continue
-            pack = b"".join(b for _, _, b in blobs)
+            pack = b"".join(blobs)
             location = storage.join(
                 root, "datasets", dataset, f"product={product}",
                 f"pack-{storage.sha256_hex(pack)[:32]}.arrows",
             )  # fmt: skip
             storage.write_bytes_atomic(location, pack)
+            del pack
             entries, offset = [], 0
-            for (part, table, data), digest in zip(blobs, digests, strict=True):
+            for (part, table), data, digest in zip(parts, blobs, digests, strict=True):
                 entries.append(
                     Entry(dataset, part, digest, table.num_rows, len(data),
                           levels_of(table.schema), location, offset, len(data), site, source)
                 )  # fmt: skip
                 offset += len(data)
             self._record(entries)
-            for e in entries:
-                old = current.get(e.partition)
-                if old is None:
-                    landed.append(Landed(e, "new"))
-                elif old.digest == e.digest:
-                    landed.append(Landed(e, "unchanged"))
-                else:
-                    landed.append(Landed(e, "changed", old.digest))
+            for old, digest in zip(before, digests, strict=True):
+                counts["new" if old is None else "unchanged" if old == digest else "changed"] += 1
         self.table(dataset)  # the columnar snapshot, built with the landing
-        return landed
+        return counts
+
+    def _digests(self, dataset: str, product: str) -> dict[str, str]:
+        """The current digest of each of a product's dates."""
+        with self._connect() as db:
+            return dict(
+                db.execute(
+                    "SELECT date, digest FROM partitions WHERE dataset = ? AND product = ?",
+                    (dataset, product),
+                )
+            )
 
     def _record(self, entries: list[Entry]) -> None:
         now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
@@ -214,6 +226,18 @@ class Catalog:
         rows = self.entries(dataset, [partition])
         return rows[0] if rows else None
 
+    def with_digest(self, digest: str) -> list[Entry]:
+        """Current entries, of any dataset, whose content has this digest."""
+        with self._connect() as db:
+            found = db.execute(
+                "SELECT dataset, product, date, digest, rows, bytes, levels, location, offset,"
+                " length, site, source FROM partitions WHERE digest = ?"
+                " ORDER BY dataset, product, date",
+                (digest,),
+            ).fetchall()
+        return [Entry(r[0], Partition.trusted(r[1], dt.date.fromisoformat(r[2])), *r[3:])
+                for r in found]  # fmt: skip
+
     def entries(self, dataset: str, partitions: Iterable[Partition] | None = None) -> list[Entry]:
         """Current entries of a dataset, all of them or those of `partitions`, sorted."""
         with self._connect() as db:
@@ -232,17 +256,26 @@ class Catalog:
         wanted = set(partitions)
         return [e for e in entries if e.partition in wanted]
 
-    # The columns a plan needs, in `table`'s order.
+    # The columns a plan needs, in `table`'s order; the location is dictionary-encoded
+    # (one pack per product: 10^6 rows hold ~10^3 distinct locations, 120 MB as plain
+    # strings here).
     TABLE_COLUMNS = ("product", "date", "digest", "location", "offset", "length")
-    _TABLE_TYPES = (pa.string(), pa.string(), pa.string(), pa.string(), pa.int64(), pa.int64())
+    TABLE_SCHEMA = pa.schema(
+        [("product", pa.string()), ("date", pa.string()), ("digest", pa.string()),
+         ("location", pa.dictionary(pa.int32(), pa.string())), ("offset", pa.int64()),
+         ("length", pa.int64())]
+    )  # fmt: skip
+    _SNAPSHOT_ROWS = 1 << 16  # rows per record batch of a snapshot, as it is built
 
     def table(self, dataset: str) -> pa.Table:
-        """Current entries of a dataset as Arrow columns (TABLE_COLUMNS), sorted by
+        """Current entries of a dataset as Arrow columns (TABLE_SCHEMA), sorted by
         product and date: what a large plan reads instead of one Entry per row.
 
-        Served from a columnar snapshot of the dataset's version: reading 10^5 rows
-        out of SQLite costs ~0.5 s, the snapshot ~10 ms. Every write bumps the
-        version in its own transaction, so a snapshot is never older than the rows.
+        Served from a columnar snapshot of the dataset's version, memory-mapped:
+        reading 10^5 rows out of SQLite costs ~0.5 s, the snapshot ~10 ms, and a plan
+        that walks it shard by shard touches its pages shard by shard. Every write
+        bumps the version in its own transaction, so a snapshot is never older than
+        the rows.
         """
         with self._connect() as db:
             db.execute("BEGIN")  # the version and the rows from one read snapshot
@@ -251,25 +284,27 @@ class Catalog:
             ).fetchone()
             path = self._snapshot(dataset, row[0] if row else 0)
             with contextlib.suppress(FileNotFoundError):  # absent, or just replaced
-                return storage.decode_table(path.read_bytes())
-            found = db.execute(
+                return _read_snapshot(path)
+            rows = db.execute(
                 f"SELECT {', '.join(self.TABLE_COLUMNS)} FROM partitions WHERE dataset = ?"
                 " ORDER BY product, date",
                 (dataset,),
-            ).fetchall()
-        columns = list(zip(*found, strict=True)) if found else [()] * len(self._TABLE_TYPES)
-        table = pa.table(
-            [pa.array(c, t) for c, t in zip(columns, self._TABLE_TYPES, strict=True)],
-            names=list(self.TABLE_COLUMNS),
-        )
-        try:
-            storage.write_bytes_atomic(str(path), storage.arrow_bytes(table))
-            for old in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.arrows"):
-                if old != path:
-                    old.unlink(missing_ok=True)  # other versions: not current any more
-        except OSError:
-            pass  # a read-only catalog folder: serve the rows without a snapshot
-        return table
+            )
+            try:
+                _write_snapshot(path, rows, self.TABLE_SCHEMA, self._SNAPSHOT_ROWS)
+            except OSError:  # a read-only catalog folder: serve the rows without a snapshot
+                rows = db.execute(
+                    f"SELECT {', '.join(self.TABLE_COLUMNS)} FROM partitions"
+                    " WHERE dataset = ? ORDER BY product, date",
+                    (dataset,),
+                )
+                return pa.Table.from_batches(
+                    _batches(rows, self.TABLE_SCHEMA, self._SNAPSHOT_ROWS), self.TABLE_SCHEMA
+                )
+        for old in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.arrows"):
+            if old != path:
+                old.unlink(missing_ok=True)  # other versions: not current any more
+        return _read_snapshot(path)
 
     def _snapshot(self, dataset: str, version: int) -> Path:
         name = storage.sha256_hex(dataset.encode())[:16]
@@ -278,3 +313,43 @@ class Catalog:
     def datasets(self) -> list[str]:
         with self._connect() as db:
             return [r[0] for r in db.execute("SELECT DISTINCT dataset FROM partitions")]
+
+
+def _batches(rows: sqlite3.Cursor, schema: pa.Schema, size: int) -> Iterator[pa.RecordBatch]:
+    """A query's rows as record batches of `size` rows: never all of them as tuples.
+
+    A dictionary column's dictionary grows from batch to batch (each batch's is the one
+    before plus its new values), which an IPC file stores as deltas.
+    """
+    codes: dict[int, dict[str, int]] = {
+        i: {} for i, f in enumerate(schema) if pa.types.is_dictionary(f.type)
+    }
+    while chunk := rows.fetchmany(size):
+        arrays = []
+        for i, (column, field) in enumerate(zip(zip(*chunk, strict=True), schema, strict=True)):
+            if i in codes:
+                seen = codes[i]
+                indices = pa.array([seen.setdefault(v, len(seen)) for v in column], pa.int32())
+                arrays.append(pa.DictionaryArray.from_arrays(indices, pa.array(list(seen))))
+            else:
+                arrays.append(pa.array(column, field.type))
+        yield pa.record_batch(arrays, schema=schema)
+
+
+def _write_snapshot(path: Path, rows: sqlite3.Cursor, schema: pa.Schema, size: int) -> None:
+    """An Arrow IPC file, written batch by batch under a temporary name, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{storage.TMP_MARK}{uuid.uuid4().hex}-{path.name}")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink:
+            with ipc.new_file(sink, schema, options=_DELTAS) as writer:
+                for batch in _batches(rows, schema, size):
+                    writer.write_batch(batch)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_snapshot(path: Path) -> pa.Table:
+    # Not closed here: the table's buffers are the mapped pages, unmapped with the table.
+    return ipc.open_file(pa.memory_map(str(path))).read_all()

@@ -99,7 +99,7 @@ def feature_outputs(stage: StageParams) -> dict[Partition, FeatureOutput]:
     """Where each selected partition's features are stored; fails if any is missing."""
     plan = plan_features(stage)
     store = NodeStore(stage.workspace.resolve_site().root)
-    found = store.existing(plan.kind.name, plan.nodes["key"])
+    found = store.existing(plan.kind.name, plan.nodes)
     rows = {r["key"]: r for r in found.to_pylist()}
     out, missing = {}, []
     for key, product, date in zip(

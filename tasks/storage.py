@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -147,22 +148,38 @@ def exists(url: str) -> bool:
         return fs.exists(path)
 
 
-def parquet_bytes(table: pa.Table) -> bytes:
+def parquet_bytes(table: pa.Table, row_group_size: int | None = None) -> bytes:
     """Parquet bytes with fixed writer settings, so equal tables give equal digests."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd", write_statistics=True, store_schema=True)
+    pq.write_table(table, sink, compression="zstd", write_statistics=True, store_schema=True,
+                   row_group_size=row_group_size)  # fmt: skip
     return sink.getvalue()
 
 
-def write_parquet_atomic(url: str, table: pa.Table) -> tuple[str, int]:
+def write_parquet_atomic(
+    url: str, table: pa.Table, row_group_size: int | None = None
+) -> tuple[str, int]:
     """Write a table atomically; returns (sha256 of the file, size in bytes)."""
-    data = parquet_bytes(table)
+    data = parquet_bytes(table, row_group_size)
     write_bytes_atomic(url, data)
     return sha256_hex(data), len(data)
 
 
-def read_parquet(url: str) -> pa.Table:
-    return pq.read_table(io.BytesIO(read_bytes(url)))
+def read_parquet(url: str, columns: list[str] | None = None, filters: Any = None) -> pa.Table:
+    """A Parquet file's table, or only some columns and the rows `filters` keep (row
+    groups whose statistics rule them out are not decoded). A local file is read in
+    place, only the column chunks asked for; a remote one with one GET."""
+    fs, path = filesystem(url)
+    source = path if is_local(fs) else pa.BufferReader(fs.cat_file(path))
+    # partitioning=None: a "name=value" folder in the path is not a column here.
+    return pq.read_table(source, columns=columns, filters=filters, partitioning=None)
+
+
+def parquet_file(url: str) -> pq.ParquetFile:
+    """A Parquet file opened for reading parts of it: a local file in place, a remote
+    one fetched with one GET."""
+    fs, path = filesystem(url)
+    return pq.ParquetFile(path if is_local(fs) else pa.BufferReader(fs.cat_file(path)))
 
 
 def list_files(url: str, suffix: str = "") -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -129,49 +130,59 @@ def product_table(summary: ResearchSummary) -> TextTable:
     )
 
 
-def node_summary(manifest: pa.Table) -> pa.Table:
-    """A run's node records by product: nodes, computed, cache hits, failed, why they
-    were recomputed, output rows and bytes, compute seconds. Small enough for a UI to
-    show (one row per product, not per node); the failures are listed apart."""
-    ran = pc.invert(manifest["cache_hit"])
-    failed = pc.equal(manifest["status"], "failed")
-    t = (
-        manifest.select(["product", "rows", "output_length", "duration_s"])
-        .append_column("computed", pc.cast(pc.and_(ran, pc.invert(failed)), pa.int64()))
-        .append_column("hit", pc.cast(manifest["cache_hit"], pa.int64()))
-        .append_column("failed", pc.cast(failed, pa.int64()))
-        .append_column("compute_s", pc.if_else(ran, manifest["duration_s"], 0.0))
-    )
-    grouped = t.group_by("product").aggregate([
-        ("product", "count"), ("computed", "sum"), ("hit", "sum"), ("failed", "sum"),
-        ("rows", "sum"), ("output_length", "sum"), ("compute_s", "sum"),
-    ]).sort_by("product")  # fmt: skip
-    reasons: dict[str, dict[str, int]] = {}
-    for product, reason, hit in zip(manifest["product"].to_pylist(),
-                                    manifest["reason"].to_pylist(),
-                                    manifest["cache_hit"].to_pylist(), strict=True):  # fmt: skip
-        if not hit:
-            by = reasons.setdefault(product, {})
-            by[reason or "?"] = by.get(reason or "?", 0) + 1
-    products = grouped["product"].to_pylist()
-    return pa.table({
+NODE_COLUMNS = ["product", "date", "key", "cache_hit", "status", "reason", "error", "rows",
+                "output_length", "duration_s"]  # fmt: skip
+_COUNTS = ("nodes", "computed", "cache_hits", "failed", "output_rows", "output_bytes",
+           "compute_s")  # fmt: skip
+
+
+def node_summary(parts: Iterable[pa.Table]) -> tuple[pa.Table, pa.Table]:
+    """A run's node records (its manifest, a part at a time: only one part is held) as
+    (by product, failures). By product: nodes, computed, cache hits, failed, why they
+    were recomputed, output rows and bytes, compute seconds: a table small enough for a
+    UI to show. Failures: product, date, key and error of every failed node."""
+    by: dict[str, dict] = {}
+    failed_parts = []
+    for part in parts:
+        ran = pc.invert(part["cache_hit"])
+        failed = pc.equal(part["status"], "failed")
+        t = pa.table({
+            "product": part["product"],
+            "nodes": pa.repeat(pa.scalar(1, pa.int64()), part.num_rows),
+            "computed": pc.cast(pc.and_(ran, pc.invert(failed)), pa.int64()),
+            "cache_hits": pc.cast(part["cache_hit"], pa.int64()),
+            "failed": pc.cast(failed, pa.int64()),
+            "output_rows": part["rows"],
+            "output_bytes": part["output_length"],
+            "compute_s": pc.if_else(ran, part["duration_s"], 0.0),
+        })  # fmt: skip
+        sums = t.group_by("product").aggregate([(c, "sum") for c in _COUNTS]).to_pylist()
+        for row in sums:
+            acc = by.setdefault(row["product"], {c: 0 for c in _COUNTS} | {"why": {}})
+            for c in _COUNTS:
+                acc[c] += row[f"{c}_sum"] or 0
+        reasons = part.filter(ran).group_by(["product", "reason"]).aggregate([("reason", "count")])
+        for row in reasons.to_pylist():
+            why = by[row["product"]]["why"]
+            why[row["reason"] or "?"] = why.get(row["reason"] or "?", 0) + row["reason_count"]
+        if pc.any(failed).as_py():
+            failed_parts.append(part.filter(failed).select(["product", "date", "key", "error"]))
+    products = sorted(by)
+    summary = pa.table({
         "product": products,
-        "nodes": grouped["product_count"],
-        "computed": grouped["computed_sum"],
-        "cache_hits": grouped["hit_sum"],
-        "failed": grouped["failed_sum"],
-        "why_recomputed": [", ".join(f"{k} {v}" for k, v in sorted(reasons.get(p, {}).items()))
-                           for p in products],  # fmt: skip
-        "output_rows": grouped["rows_sum"],
-        "output_bytes": grouped["output_length_sum"],
-        "compute_s": pc.round(grouped["compute_s_sum"], 4),
+        **{c: [by[p][c] for p in products] for c in _COUNTS[:-1]},
+        "why_recomputed": [", ".join(f"{k} {v}" for k, v in sorted(by[p]["why"].items()))
+                           for p in products],
+        "compute_s": [round(by[p]["compute_s"], 4) for p in products],
     })  # fmt: skip
-
-
-def failures(manifest: pa.Table) -> pa.Table:
-    """product, date, key and error of every failed node."""
-    failed = manifest.filter(pc.equal(manifest["status"], "failed"))
-    return failed.select(["product", "date", "key", "error"])
+    order = ["product", "nodes", "computed", "cache_hits", "failed", "why_recomputed",
+             "output_rows", "output_bytes", "compute_s"]  # fmt: skip
+    failures = (
+        pa.concat_tables(failed_parts)
+        if failed_parts
+        else pa.table({c: pa.array([], pa.string()) for c in ("product", "date", "key", "error")})
+    )
+    return summary.select(order), failures
 
 
 def csv_bytes(table: pa.Table) -> bytes:

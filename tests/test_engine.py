@@ -14,7 +14,14 @@ import pytest
 
 from quantloop.tasks import storage
 from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.engine import NodeKind, NodeStore, node_keys, plan_nodes, run_nodes
+from quantloop.tasks.engine import (
+    INDEX_SCHEMA,
+    NodeKind,
+    NodeStore,
+    node_keys,
+    plan_nodes,
+    run_nodes,
+)
 from quantloop.tasks.engine.batch import run_batch
 from quantloop.tasks.engine.sizing import batch_size
 from quantloop.tasks.features import FeatureParams, features_node
@@ -184,28 +191,6 @@ def test_reasons_name_every_changed_part(landed):
     assert reasons == {"AAA": "code+params", "BBB": "code"}
 
 
-def test_catalog_table_follows_every_write(tmp_path):
-    """The columnar snapshot is per version: a re-landed partition shows at once."""
-    catalog = Catalog(tmp_path / "catalog.sqlite")
-    root = str(tmp_path / "store")
-    parts = [(Partition(x, d), random_book(200, seed=i)) for i, (x, d) in
-             enumerate((x, d) for x in PRODUCTS for d in DATES)]  # fmt: skip
-    catalog.land_packed("d", parts, root=root)
-    first = catalog.table("d")
-    expected = [(e.partition.product, e.partition.date.isoformat(), e.digest)
-                for e in catalog.entries("d")]  # fmt: skip
-    rows = zip(*(first[c].to_pylist() for c in ("product", "date", "digest")), strict=True)
-    assert list(rows) == expected
-    changed = catalog.land("d", parts[0][0], random_book(200, seed=99), root=root)
-    second = catalog.table("d")
-    assert second["digest"][0].as_py() == changed.entry.digest != first["digest"][0].as_py()
-    assert second.slice(1).equals(first.slice(1))
-    snapshots = list((tmp_path / "catalog.sqlite.snapshots").iterdir())
-    assert len(snapshots) == 1  # the old version's snapshot is gone
-    assert Catalog(tmp_path / "catalog.sqlite").table("d").equals(second)
-    assert catalog.table("other").num_rows == 0
-
-
 def test_unindexed_pack_and_temp_files_are_not_hits(landed):
     """What a crash leaves (a pack with no index segment, a temp file) is never used."""
     catalog, store = landed
@@ -227,7 +212,7 @@ def test_failed_node_is_recorded_not_indexed(landed):
     result = run_nodes(broken, params, nodes, store)
     assert result.failed == 2 and result.computed == 2
     assert all("BBB/" in e and "boom" in e for e in result.failures)
-    committed = store.existing(kind.name, nodes["key"])
+    committed = store.existing(kind.name, nodes)
     assert set(committed["product"].to_pylist()) == {"AAA"}
     failed = result.manifest.filter(pc.equal(result.manifest["status"], "failed"))
     assert set(failed["output_url"].to_pylist()) == {""}
@@ -277,8 +262,8 @@ def test_batch_of_mixed_depths_is_computed_per_layout(tmp_path):
     assert rows["status"].to_pylist() == ["ok"] * 4
     assert len(calls) == 2 and all(len(c) == 1 for c in calls)
     store = NodeStore(root)
-    for node, (_, book) in zip(nodes.to_pylist(), parts, strict=True):
-        [row] = store.existing(kind.name, [node["key"]]).to_pylist()
+    for i, (node, (_, book)) in enumerate(zip(nodes.to_pylist(), parts, strict=True)):
+        [row] = store.existing(kind.name, nodes.slice(i, 1)).to_pylist()
         alone = kind.compute(book, kind.prepare(params[node["params"]]))
         assert storage.arrow_bytes(store.read(row)) == storage.arrow_bytes(alone)  # NaNs too
 
@@ -291,22 +276,6 @@ def test_input_changed_in_place_is_refused(landed):
     result = run_nodes(kind, params, nodes.slice(0, 1), store)
     assert result.failed == 1
     assert "does not match its digest" in result.failures[0]
-
-
-def test_packed_partitions_match_single_files(tmp_path):
-    catalog = Catalog(tmp_path / "catalog.sqlite")
-    root = str(tmp_path / "store")
-    parts = [(Partition(x, d), random_book(300, seed=i)) for i, (x, d) in
-             enumerate((x, d) for x in PRODUCTS for d in DATES)]  # fmt: skip
-    landed = catalog.land_packed("packed", parts, root=root)
-    assert {x.status for x in landed} == {"new"}
-    assert len({x.entry.location for x in landed}) == 2  # one pack per product
-    for (_, table), x in zip(parts, landed, strict=True):
-        assert storage.read_table(x.entry.blob).equals(table)
-    again = catalog.land_packed("packed", parts, root=root)
-    assert {x.status for x in again} == {"unchanged"}
-    kind, nodes, params = plan(catalog, dataset="packed")
-    assert run_nodes(kind, params, nodes, NodeStore(root)).computed == 4
 
 
 def test_batch_size_follows_work_per_node():
@@ -326,10 +295,11 @@ def test_compaction_keeps_every_key(landed):
     kind, nodes, params = plan(catalog)
     for i in range(nodes.num_rows):  # four runs, four segments
         run_nodes(kind, params, nodes.slice(i, 1), store)
-    before = store.existing(kind.name, nodes["key"])
-    assert store.compact(kind.name, min_segments=2) == 4
+    before = store.existing(kind.name, nodes)
+    assert store.compact(kind.name, max_depth=3) == 0  # two segments per product at most
+    assert store.compact(kind.name, max_depth=2) == 4
     assert len(storage.list_files(store.index_url(kind.name), ".parquet")) == 1
-    after = store.existing(kind.name, nodes["key"])
+    after = store.existing(kind.name, nodes)
     assert after.sort_by("key").equals(before.sort_by("key"))
 
 
@@ -367,7 +337,7 @@ def test_worker_killed_mid_batch_leaves_nothing_half_done(landed, tmp_path):
             result = run_nodes(dying, params, nodes, store, client=client)
     assert marker.exists()  # the worker really died once
     assert result.computed == 4 and result.failed == 0
-    index = store.index(kind.name)
+    index = store.rows(kind.name)
     # Dask may also re-run finished tasks whose results died with the worker: a key can
     # then be committed twice, always with the same output digest.
     assert set(index["key"].to_pylist()) == set(keys(nodes))
@@ -397,3 +367,67 @@ def fail_on_bbb(book, params):
     if book.num_rows == BBB_ROWS:
         raise ValueError("boom")
     return features_node(book, params)
+
+
+def test_a_lookup_reads_only_the_segments_of_its_products(landed):
+    """Index segments are named by the products they cover: a plan's lookup opens only
+    those of its own products (here the other product's segment is garbage)."""
+    catalog, store = landed
+    kind, nodes, params = plan(catalog)
+    aaa, bbb = (nodes.filter(pc.equal(nodes["product"], p)) for p in PRODUCTS)
+    run_nodes(kind, params, aaa, store)
+    run_nodes(kind, params, bbb, store)
+    segments = store.segments(kind.name)
+    assert {(s.first, s.last) for s in segments} == {("AAA", "AAA"), ("BBB", "BBB")}
+    for s in segments:
+        if s.first == "AAA":
+            Path(s.url).write_bytes(b"not a Parquet file")
+    assert run_nodes(kind, params, bbb, store).cache_hits == 2
+    with pytest.raises(Exception, match="Parquet"):
+        run_nodes(kind, params, aaa, store)
+    assert store.rows(kind.name, ("BBB", "BBB"))["product"].to_pylist() == ["BBB"] * 2
+
+
+def test_segment_names_keep_any_product_range(tmp_path):
+    store = NodeStore(str(tmp_path))
+    rows = INDEX_SCHEMA.empty_table().to_pydict()
+    for product in ("a~b/c", "zz%"):
+        for name in rows:
+            rows[name].append(product if name == "product" else None)
+    store.commit("k", pa.table(rows, schema=INDEX_SCHEMA))
+    [segment] = store.segments("k")
+    assert (segment.first, segment.last) == ("a~b/c", "zz%")
+    assert store.rows("k", ("zz", "zzz"))["product"].to_pylist() == ["zz%"]
+
+
+def test_compaction_merges_into_sorted_product_ranges(tmp_path):
+    """Compaction streams: merged segments cover ranges of products, sorted, each
+    partition's row once; a segment of an older store (named without a range) is
+    merged too."""
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = str(tmp_path / "store")
+    products = ["P0", "P1", "P2", "P3"]
+    catalog.land_packed("d", [(Partition(p, d), random_book(50, seed=i * 7 + j))
+                              for i, p in enumerate(products)
+                              for j, d in enumerate(DATES)], root=root)  # fmt: skip
+    kind = feature_kind()
+    params = product_params(FeatureParams(), {}, products)
+    nodes, by_digest = plan_feature_table(catalog.table("d"), params, kind)
+    store = NodeStore(root)
+    for i in range(nodes.num_rows - 1, -1, -1):  # one segment per node, newest first
+        run_nodes(kind, by_digest, nodes.slice(i, 1), store)
+    # An older store's segment: no range in its name, and a duplicate of a P2 row.
+    [p2] = [s for s in store.segments(kind.name) if s.first == "P2"][:1]
+    old = Path(store.index_url(kind.name)) / "20250101T000000-0123456789ab.parquet"
+    old.write_bytes(Path(p2.url).read_bytes())
+    before = store.existing(kind.name, nodes).sort_by("key")
+    assert store.compact(kind.name, max_depth=2, rows_per_segment=4) == nodes.num_rows + 1
+    merged = sorted(store.segments(kind.name), key=lambda s: s.first)
+    assert [(s.first, s.last) for s in merged] == [("P0", "P1"), ("P2", "P3")]
+    for s in merged:
+        rows = store.rows(kind.name, segments=[s])
+        assert rows.num_rows == 4  # two products x two dates, the duplicate dropped
+        pairs = list(zip(rows["product"].to_pylist(), rows["date"].to_pylist(), strict=True))
+        assert pairs == sorted(pairs)
+    assert store.existing(kind.name, nodes).sort_by("key").equals(before)
+    assert run_nodes(kind, by_digest, nodes, store).cache_hits == nodes.num_rows

@@ -99,6 +99,6 @@ def test_feature_nodes_on_s3_with_dask_workers(bucket, s3_endpoint, tmp_path):
     segments = [o for o in objects if o.startswith(store.index_url(kind.name) + "/")]
     assert segments and all(o.endswith(".parquet") for o in segments)
     assert set(objects) == outputs | landed | set(segments)
-    indexed = store.index(kind.name)
+    indexed = store.rows(kind.name)
     assert set(indexed["key"].to_pylist()) == set(nodes["key"].to_pylist())
     assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []

@@ -7,9 +7,16 @@ segments and manifest rows out. Planning from a catalog lives in quantloop.tasks
 from quantloop.tasks.engine.driver import RunResult, run_nodes
 from quantloop.tasks.engine.keys import code_fingerprint, node_keys, sha256_json
 from quantloop.tasks.engine.plan import NODES_SCHEMA, NodeKind, plan_nodes
-from quantloop.tasks.engine.records import MANIFEST_SCHEMA
+from quantloop.tasks.engine.records import (
+    MANIFEST_SCHEMA,
+    RunRecords,
+    RunSummary,
+    recorded_runs,
+    run_parts,
+)
 from quantloop.tasks.engine.store import INDEX_SCHEMA, NodeStore, output_blob
 
 __all__ = ["INDEX_SCHEMA", "MANIFEST_SCHEMA", "NODES_SCHEMA", "NodeKind", "NodeStore",
-           "RunResult", "code_fingerprint", "node_keys", "output_blob", "plan_nodes",
-           "run_nodes", "sha256_json"]  # fmt: skip
+           "RunRecords", "RunResult", "RunSummary", "code_fingerprint", "node_keys",
+           "output_blob", "plan_nodes", "recorded_runs", "run_nodes", "run_parts",
+           "sha256_json"]  # fmt: skip

@@ -15,13 +15,15 @@ from quantloop.tasks import storage
 from quantloop.tasks.engine.batch import batch_seconds, run_batch, run_batch_ipc
 from quantloop.tasks.engine.plan import NodeKind
 from quantloop.tasks.engine.reasons import explain
-from quantloop.tasks.engine.records import MANIFEST_SCHEMA, manifest_rows
+from quantloop.tasks.engine.records import MANIFEST_SCHEMA, RunSummary, manifest_rows
 from quantloop.tasks.engine.sizing import IN_FLIGHT_PER_WORKER, batch_size, typical_node_s
-from quantloop.tasks.engine.store import NodeStore, committed
+from quantloop.tasks.engine.store import HISTORY_COLUMNS, NodeStore, product_range
 
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
+    """One plan's run: every node's manifest row, in plan order, and the counts."""
+
     manifest: pa.Table
     nodes: int
     cache_hits: int
@@ -30,12 +32,18 @@ class RunResult:
     wall_s: float
     batch_size: int = 0  # the largest batch (nodes per Dask task)
     batches: int = 0  # Dask tasks
-    mlflow_run_id: str | None = None  # set by a flow that records the run
 
     @property
     def failures(self) -> list[str]:
         failed = self.manifest.filter(pc.equal(self.manifest["status"], "failed"))
         return failed["error"].to_pylist()
+
+    def summary(self) -> RunSummary:
+        return RunSummary.of(
+            self.manifest, nodes=self.nodes, cache_hits=self.cache_hits,
+            computed=self.computed, failed=self.failed, wall_s=self.wall_s,
+            batch_size=self.batch_size, batches=self.batches,
+        )  # fmt: skip
 
 
 def run_nodes(
@@ -45,31 +53,38 @@ def run_nodes(
     store: NodeStore,
     *,
     client: Any | None = None,
+    connect: Callable[[], Any] | None = None,
     site: str = "local",
     progress: Callable[[int, int], None] | None = None,
-    index: pa.Table | None = None,
+    priority: int = 0,
 ) -> RunResult:
     """Run the nodes of a plan (NODES_SCHEMA) that are not cached; returns the manifest
     of all of them.
 
+    The plan's keys are looked up in the index segments of its products only (a
+    shard's, not the whole index), reading first only what a hit's row takes; the
+    history that explains the others is read only if some node must run.
     params: parameter dicts by their digest (the plan's "params"); products may differ.
-    client: a `distributed.Client` (the site's cluster); None runs in-process.
+    client: a `distributed.Client` (the site's cluster); or connect() -> one, called
+      only if a node must run; neither: in-process.
     progress(done, total) is called as batches finish.
-    index: the kind's index, when the caller has read it already (one read per run,
-      not one per shard).
+    priority: the Dask priority of the plan's batches (higher runs first). Plans run
+      side by side (a flow's shards) given falling priorities end one after the other,
+      each next one filling the last one's tail, instead of sharing the workers evenly
+      and ending together.
     """
     t0 = time.perf_counter()
     total = plan.num_rows
-    index = store.index(kind.name) if index is None else index
+    segments = store.segments(kind.name) if total else []
     keys = plan["key"].combine_chunks()
-    hits = committed(index, keys)
+    found = store.lookup(kind.name, plan, segments=segments)
+    hit = pc.is_valid(found["key"])
     todo, parts, cached = plan, [], 0
-    if hits.num_rows:
-        hit = pc.is_in(keys, value_set=hits["key"].combine_chunks())
+    if pc.any(hit).as_py():
         todo, hit_plan = plan.filter(pc.invert(hit)), plan.filter(hit)
         # Each hit node gets its own row, from its plan row and its key's index row:
         # two partitions with identical content share a key and an output, not a row.
-        found = hits.take(pc.index_in(hit_plan["key"], value_set=hits["key"]))
+        found = found.filter(hit)
         no_errors = [""] * hit_plan.num_rows
         parts.append(manifest_rows(hit_plan, found, site, cache_hit=True, reason=no_errors,
                                    errors=no_errors))  # fmt: skip
@@ -77,13 +92,21 @@ def run_nodes(
     done = cached
     size = batches_run = 0
     if todo.num_rows:
-        todo = todo.append_column("reason", explain(index, todo))
-        workers = len(client.scheduler_info()["workers"]) if client is not None else 1
+        history = store.rows(kind.name, product_range(plan), HISTORY_COLUMNS, segments=segments)
+        todo = todo.append_column("reason", explain(history, todo))
+        if client is None and connect is not None:
+            client = connect()
+        # Asked of the scheduler, not read from scheduler_info(): distributed 2026.8's
+        # periodic refresh of that cache (n_workers=0) can empty its worker list under
+        # a concurrent reader, and a shard that counts 0 workers submits nothing. With
+        # no worker yet, batches are sized for one and wait in Dask's queue.
+        workers = max(1, len(client.nthreads())) if client is not None else 1
         # Work per node: from the kind's history, then from this run's own batches
         # (whole task times over their nodes, so each task's fixed cost is included).
-        history_s = typical_node_s(index)
+        history_s = typical_node_s(history)
+        del history
         measured_s, measured_n = 0.0, 0
-        batches = _Batches(client, kind, params, store.root, site)
+        batches = _Batches(client, kind, params, store.root, site, priority)
         finished: list[pa.Table] = []
         pos = 0
 
@@ -133,8 +156,10 @@ class _Batches:
     when the iteration reaches it); iterating yields manifest rows as batches finish,
     and more may be submitted meanwhile."""
 
-    def __init__(self, client, kind: NodeKind, params: Mapping[str, dict], root: str, site: str):
+    def __init__(self, client, kind: NodeKind, params: Mapping[str, dict], root: str, site: str,
+                 priority: int = 0):  # fmt: skip
         self.client, self.kind, self.root, self.site = client, kind, root, site
+        self.priority = priority
         self.params = dict(params)
         self._submitted = 0
         self._queue: list[tuple[int, pa.Table]] = []  # in-process: not run yet
@@ -159,7 +184,7 @@ class _Batches:
         # as an IPC stream: pickling a slice of a table would send the whole table.
         future = self.client.submit(run_batch_ipc, self.kind, self.params,
                                     storage.arrow_bytes(batch), self.root, self.site,
-                                    pure=False)  # fmt: skip
+                                    pure=False, priority=self.priority)  # fmt: skip
         self._number[future.key] = number
         self._running.add(future)
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from quantloop.tasks.engine.keys import node_keys
+from quantloop.tasks.engine.keys import keys_of
 
 NODE_COLUMNS = [("key", pa.string()), ("kind", pa.string()), ("product", pa.string()),
                 ("date", pa.string())]  # fmt: skip
@@ -50,8 +51,10 @@ def plan_nodes(kind: NodeKind, inputs: pa.Table, params_of: Mapping[str, str]) -
     """One node of `kind` per input partition (a table with INPUT_COLUMNS), its
     parameters the digest `params_of[product]`: the plan table (NODES_SCHEMA)."""
     n = inputs.num_rows
-    digests = [params_of[p] for p in inputs["product"].to_pylist()]
-    keys = node_keys(kind.name, kind.code, digests, inputs["digest"].to_pylist())
+    products = pc.dictionary_encode(inputs["product"].combine_chunks())
+    by_product = pa.array([params_of[p] for p in products.dictionary.to_pylist()], pa.string())
+    digests = by_product.take(products.indices)
+    keys = keys_of(kind.name, kind.code, digests, inputs["digest"].combine_chunks())
     return pa.table(
         {
             "key": keys,
@@ -60,7 +63,7 @@ def plan_nodes(kind: NodeKind, inputs: pa.Table, params_of: Mapping[str, str]) -
             "date": inputs["date"],
             "code": pa.repeat(pa.scalar(kind.code, pa.string()), n),
             "params": digests,
-            "url": inputs["location"],
+            "url": inputs["location"].cast(pa.string()),  # dictionary-encoded in a catalog
             "offset": inputs["offset"],
             "length": inputs["length"],
             "digest": inputs["digest"],

@@ -5,15 +5,23 @@ one pack per Dask task, each blob with its own sha256. The cache index is a fold
 of Parquet segments (`<root>/index/<kind>/`), each written atomically *after* the
 pack it points into is complete: a key is in the index only once its output is
 whole, and a crash in between leaves an unreferenced pack that is never read.
-"Which of these keys exist?" is one read of the index, never a storage call per node.
+
+A segment's name carries the range of products its rows cover
+(`<first>~<last>~<stamp>-<id>.parquet`), so a shard looks up its keys in the
+segments of its own products only, reading only the columns it needs: the cost of a
+lookup follows the shard, not the whole index (10^6 committed nodes are ~600 MB of
+Arrow columns). Compaction merges segments into product ranges of ~65,000 rows,
+sorted, with row groups a lookup can skip by their statistics.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import urllib.parse
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -33,6 +41,37 @@ OUTPUT_COLUMNS = [
 ]
 # The cache index: one row per committed node.
 INDEX_SCHEMA = pa.schema(NODE_COLUMNS + KEY_PARTS + OUTPUT_COLUMNS + [("written_at", pa.string())])
+# What a cache hit's manifest row takes from the index.
+HIT_COLUMNS = ["key"] + [name for name, _ in OUTPUT_COLUMNS]
+# What explains why a node runs, and sizes its batches.
+HISTORY_COLUMNS = ["product", "date", "code", "params", "inputs", "duration_s", "written_at"]
+
+_ALL = ("", "\U0010ffff")  # the product range of a segment named without one (older stores)
+_ROW_GROUP = 1 << 14  # rows per row group of a merged segment: a lookup skips the others
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One index segment and the range of products its rows cover."""
+
+    url: str
+    first: str
+    last: str
+
+    @classmethod
+    def of(cls, url: str) -> Segment:
+        parts = url.rsplit("/", 1)[-1].split("~")
+        if len(parts) != 3:
+            return cls(url, *_ALL)
+        return cls(url, urllib.parse.unquote(parts[0]), urllib.parse.unquote(parts[1]))
+
+    def overlaps(self, first: str, last: str) -> bool:
+        return self.first <= last and self.last >= first
+
+
+def _quote(product: str) -> str:
+    # "~" separates the name's fields, so it is escaped too (quote keeps it).
+    return urllib.parse.quote(product, safe="").replace("~", "%7E")
 
 
 def output_blob(row: Mapping[str, Any]) -> storage.Blob:
@@ -40,6 +79,12 @@ def output_blob(row: Mapping[str, Any]) -> storage.Blob:
     return storage.Blob(
         row["output_url"], row["output_offset"], row["output_length"], row["output_digest"]
     )
+
+
+def product_range(table: pa.Table) -> tuple[str, str]:
+    """The first and last product of a plan or index table (not empty)."""
+    bounds = pc.min_max(table["product"])
+    return bounds["min"].as_py(), bounds["max"].as_py()
 
 
 class NodeStore:
@@ -55,34 +100,111 @@ class NodeStore:
     def index_url(self, kind: str) -> str:
         return storage.join(self.root, "index", kind)
 
-    def index(self, kind: str) -> pa.Table:
-        """Every committed node of a kind: one pass over the index segments."""
-        return _read_segments(storage.list_files(self.index_url(kind), ".parquet"))
+    def segments(self, kind: str) -> list[Segment]:
+        return [Segment.of(u) for u in storage.list_files(self.index_url(kind), ".parquet")]
 
-    def existing(self, kind: str, keys: Sequence[str] | pa.Array) -> pa.Table:
-        """Index rows (the latest per key) of those `keys` that are committed."""
-        return committed(self.index(kind), pa.array(keys, pa.string()))
+    def rows(
+        self,
+        kind: str,
+        products: tuple[str, str] | None = None,
+        columns: list[str] | None = None,
+        *,
+        segments: list[Segment] | None = None,
+    ) -> pa.Table:
+        """Index rows of a kind, those of products in the range `products` (first, last)
+        or all; only `columns` if given. Only the segments that cover the range are
+        read, side by side (fetching and decoding release the GIL: 100 segments cost
+        about what 30 do one after the other)."""
+        first, last = products or _ALL
+        listed = self.segments(kind) if segments is None else segments
+        chosen = [s for s in listed if s.overlaps(first, last)]
+        schema = pa.schema([INDEX_SCHEMA.field(c) for c in columns or INDEX_SCHEMA.names])
+        if not chosen:
+            return schema.empty_table()
 
-    def commit(self, kind: str, rows: pa.Table) -> None:
+        def read(segment: Segment) -> pa.Table:
+            inside = first <= segment.first and segment.last <= last
+            return _read_range(segment.url, schema.names, None if inside else (first, last))
+
+        if len(chosen) == 1:
+            return read(chosen[0])
+        with ThreadPoolExecutor(max_workers=min(8, len(chosen))) as pool:
+            return pa.concat_tables(pool.map(read, chosen))
+
+    def lookup(
+        self, kind: str, nodes: pa.Table, *, segments: list[Segment] | None = None
+    ) -> pa.Table:
+        """For each node of a plan, in order, its committed index row (HIT_COLUMNS; a
+        null row if it has none): the index rows of the plan's products, matched by
+        one hash of their keys. Only if a key was committed twice (a batch re-run, or
+        partitions with identical content) is `written_at` read to take the latest.
+        """
+        if nodes.num_rows == 0:
+            return pa.schema([INDEX_SCHEMA.field(c) for c in HIT_COLUMNS]).empty_table()
+        products = product_range(nodes)
+        rows = self.rows(kind, products, HIT_COLUMNS, segments=segments)
+        if rows.num_rows and pc.count_distinct(rows["key"]).as_py() < rows.num_rows:
+            rows = self.rows(kind, products, [*HIT_COLUMNS, "written_at"], segments=segments)
+            rows = latest_per(rows, ["key"]).drop_columns(["written_at"])
+        return rows.take(pc.index_in(nodes["key"], value_set=rows["key"]))
+
+    def existing(self, kind: str, nodes: pa.Table) -> pa.Table:
+        """Index rows (the latest per key) of the nodes of a plan that are committed."""
+        if nodes.num_rows == 0:
+            return INDEX_SCHEMA.empty_table()
+        return committed(self.rows(kind, product_range(nodes)), nodes["key"].combine_chunks())
+
+    def find(self, kind: str, prefix: str) -> pa.Table:
+        """Index rows (the latest per key) whose key starts with `prefix`: one segment
+        at a time, its key column first."""
+        found = []
+        for segment in self.segments(kind):
+            keys = storage.read_parquet(segment.url, ["key"])["key"]
+            match = pc.starts_with(keys, prefix)
+            if pc.any(match).as_py():
+                found.append(self.rows(kind, segments=[segment]).filter(match))
+        return latest_per(pa.concat_tables(found), ["key"]) if found else INDEX_SCHEMA.empty_table()
+
+    def commit(self, kind: str, rows: pa.Table, row_group_size: int | None = None) -> None:
         """Make outputs visible to later runs: one atomic index segment."""
         if rows.num_rows:
-            name = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:12]}.parquet"
-            storage.write_parquet_atomic(storage.join(self.index_url(kind), name), rows)
+            first, last = product_range(rows)
+            stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:12]}"
+            name = f"{_quote(first)}~{_quote(last)}~{stamp}.parquet"
+            url = storage.join(self.index_url(kind), name)
+            storage.write_parquet_atomic(url, rows, row_group_size)
 
-    def compact(self, kind: str, *, min_segments: int = 64) -> int:
-        """Merge the index segments into one (latest row per key); returns segments merged.
+    def compact(self, kind: str, *, max_depth: int = 16, rows_per_segment: int = 1 << 16) -> int:
+        """Merge the index segments into sorted segments of about `rows_per_segment` rows,
+        each over a range of products, once some product's rows are spread over
+        `max_depth` segments or more; returns the number of segments merged.
 
-        Safe beside writers: it merges the segments it listed, writes the merged
-        segment atomically, then deletes only those. A reader in between sees
-        duplicates, which `existing` resolves by keeping the latest row per key.
+        A duplicate (the same key committed twice for one partition, as a batch that
+        Dask re-runs after a worker died does) keeps its latest row. Streamed: one
+        merged segment's rows are held at a time. Safe beside writers: it merges the
+        segments it listed, writes each merged segment atomically, then deletes only
+        those it listed. A reader in between sees duplicates, which lookups resolve
+        by keeping the latest row per key.
         """
-        segments = storage.list_files(self.index_url(kind), ".parquet")
-        if len(segments) < min_segments:
+        segments = self.segments(kind)
+        if _depth(segments) < max_depth:
             return 0
-        self.commit(kind, latest_per(_read_segments(segments), ["key"]))
-        fs, _ = storage.filesystem(segments[0])
+        counts: dict[str, int] = {}
+        with ThreadPoolExecutor(max_workers=min(8, len(segments))) as pool:
+            for products in pool.map(
+                lambda s: storage.read_parquet(s.url, ["product"])["product"], segments
+            ):
+                for c in pc.value_counts(products).to_pylist():
+                    counts[c["values"]] = counts.get(c["values"], 0) + c["counts"]
+        for first, last in _ranges(counts, rows_per_segment):
+            rows = self.rows(kind, (first, last), segments=segments)
+            rows = latest_per(rows, ["key", "product", "date"]).sort_by(
+                [("product", "ascending"), ("date", "ascending"), ("written_at", "ascending")]
+            )
+            self.commit(kind, rows, row_group_size=_ROW_GROUP)
+        fs, _ = storage.filesystem(segments[0].url)
         for s in segments:
-            fs.rm_file(storage.filesystem(s)[1])
+            fs.rm_file(storage.filesystem(s.url)[1])
         return len(segments)
 
     def read(self, row: Mapping[str, Any]) -> pa.Table:
@@ -90,14 +212,51 @@ class NodeStore:
         return storage.read_table(output_blob(row))
 
 
-def _read_segments(segments: list[str]) -> pa.Table:
-    if not segments:
-        return INDEX_SCHEMA.empty_table()
-    # Segments are read side by side: fetching and decoding release the GIL, so
-    # 100 segments cost about what 30 do one after the other.
-    with ThreadPoolExecutor(max_workers=min(8, len(segments))) as pool:
-        parts = list(pool.map(storage.read_parquet, segments))
-    return pa.concat_tables(p.cast(INDEX_SCHEMA) for p in parts)
+def _read_range(url: str, columns: list[str], products: tuple[str, str] | None) -> pa.Table:
+    """A segment's `columns`, only the rows of products in the range if one is given;
+    row groups whose statistics rule the range out are not read. (ParquetFile, not
+    pq.read_table's dataset machinery: ~1 ms less per file here, 45 -> 26 ms for a
+    shard's 24 segments.)"""
+    f = storage.parquet_file(url)
+    if products is None:
+        return f.read(columns=columns).cast(pa.schema([INDEX_SCHEMA.field(c) for c in columns]))
+    first, last = products
+    at = f.schema_arrow.get_field_index("product")
+    groups = []
+    for i in range(f.metadata.num_row_groups):
+        stats = f.metadata.row_group(i).column(at).statistics
+        if stats is None or not stats.has_min_max or (stats.min <= last and stats.max >= first):
+            groups.append(i)
+    table = f.read_row_groups(groups, columns=list(dict.fromkeys([*columns, "product"])))
+    keep = pc.and_(pc.greater_equal(table["product"], first), pc.less_equal(table["product"], last))
+    schema = pa.schema([INDEX_SCHEMA.field(c) for c in columns])
+    return table.filter(keep).select(columns).cast(schema)
+
+
+def _depth(segments: list[Segment]) -> int:
+    """The most segments any one product's rows can be spread over."""
+    events = sorted([(s.first, 0) for s in segments] + [(s.last, 1) for s in segments])
+    depth = deepest = 0
+    for _, end in events:  # at one product, ranges that start come before those that end
+        depth += -1 if end else 1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _ranges(counts: Mapping[str, int], rows: int) -> list[tuple[str, str]]:
+    """Consecutive products cut into ranges of at least `rows` rows (the last may hold
+    fewer); a product is never split."""
+    ranges, first, held = [], None, 0
+    products = sorted(counts)
+    for product in products:
+        first = product if first is None else first
+        held += counts[product]
+        if held >= rows:
+            ranges.append((first, product))
+            first, held = None, 0
+    if first is not None:
+        ranges.append((first, products[-1]))
+    return ranges
 
 
 def committed(index: pa.Table, keys: pa.Array) -> pa.Table:
@@ -117,5 +276,6 @@ def latest_per(table: pa.Table, columns: list[str]) -> pa.Table:
     for k in keys:
         eq = pc.equal(k.slice(0, len(k) - 1), k.slice(1))
         same_as_next = eq if same_as_next is None else pc.and_(same_as_next, eq)
-    last = pc.invert(same_as_next).to_numpy(zero_copy_only=False).tolist() + [True]
-    return order.filter(pa.array(last))
+    keep = pc.invert(same_as_next)
+    chunks = keep.chunks if isinstance(keep, pa.ChunkedArray) else [keep]
+    return order.filter(pa.chunked_array([*chunks, pa.array([True])]))

@@ -1,0 +1,59 @@
+"""The features flow, shard by shard: each shard writes its part of the run's manifest,
+the flow sums what they did, and failed nodes are reported and recorded."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pyarrow.compute as pc
+import pytest
+
+from quantloop.flows.features import NodeFailures, features
+from quantloop.tasks import storage
+from quantloop.tasks.engine import RunRecords
+from quantloop.tasks.manifest import manifest_runs, query
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.stage import StageParams
+from quantloop.tasks.workspace import Selection, Workspace
+from tests.books import random_book
+
+PRODUCTS = ["AAA", "BBB", "CCC"]
+DATES = [dt.date(2026, 1, 5), dt.date(2026, 1, 6)]
+
+
+@pytest.mark.slow
+def test_features_flow_runs_and_records_shard_by_shard(prefect_api, tmp_path):
+    workspace = Workspace(home=str(tmp_path / "home"), n_workers=1)
+    root = workspace.resolve_site().root
+    catalog = workspace.catalog()
+    catalog.land_packed("d", [(Partition(p, d), random_book(100, seed=i))
+                              for i, (p, d) in enumerate((p, d) for p in PRODUCTS
+                                                         for d in DATES)], root=root)  # fmt: skip
+    stage = StageParams(workspace=workspace, selection=Selection(dataset="d"))
+
+    first = features(stage, shard_size=4)  # shards of 4 and 2 nodes
+    assert (first.nodes, first.computed, first.cache_hits, first.failed) == (6, 6, 0, 0)
+    assert first.reasons == {"new": 6} and first.compute_s > 0 and first.output_rows == 600
+    parts = RunRecords(first.manifest_url).parts()
+    assert [storage.read_parquet(p).num_rows for p in parts] == [4, 2]
+    assert manifest_runs(root, "features") == [first.manifest_url]
+    rows = query(root, limit=10).rows
+    pairs = list(zip(rows["product"].to_pylist(), rows["date"].to_pylist(), strict=True))
+    assert pairs == [(p, d.isoformat()) for p in PRODUCTS for d in DATES]  # plan order
+
+    again = features(stage, shard_size=4)
+    assert (again.computed, again.cache_hits, again.batches) == (0, 6, 0)
+
+    # CCC's pack changed in place, and CCC's parameters too, so its nodes must run:
+    # they fail, the others are hits, the run is recorded with the failures, and the
+    # error names the partitions.
+    pack = {e.location for e in catalog.entries("d") if e.partition.product == "CCC"}.pop()
+    storage.write_bytes_atomic(pack, storage.parquet_bytes(random_book(10, seed=9)))
+    changed = stage.model_copy(update={"product_features": {"CCC": {"ofi_window": 12}}})
+    with pytest.raises(NodeFailures, match="(?s)2 of 6 feature nodes failed.*CCC/2026-01-05"):
+        features(changed, shard_size=4)
+    failed = query(root, status="failed")
+    assert (failed.matched, failed.total, failed.cache_hits) == (2, 6, 0)
+    assert "does not match its digest" in failed.rows["error"][0].as_py()
+    assert set(failed.rows["reason"].to_pylist()) == {"params"}
+    assert pc.sum(query(root, limit=10).rows["cache_hit"]).as_py() == 4
