@@ -94,6 +94,7 @@ STORE_TAG, CATALOG_TAG, WORKSPACE_TAG = (
     "quantloop.catalog",
     "quantloop.workspace",
 )
+MANIFEST_TAG = "quantloop.manifest"  # a features run's manifest folder
 
 
 def _owner_tags() -> dict[str, str]:
