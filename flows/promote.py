@@ -112,7 +112,12 @@ def promote(
         client.set_registered_model_alias(name, alias, number)
         ended = (research.info.end_time or research.info.start_time) / 1000
         decision["promotion_time_s"] = round(time.time() - ended, 3)
+    # Every decision is kept: the latest as tags, all of them in the history.
+    history = json.loads(version.tags.get("promotion.history", "[]"))
+    history.append({k: decision[k] for k in ("decision", "decided_at")}
+                   | {g: v["passed"] for g, v in gates.items()})  # fmt: skip
     for key, value in {
+        "promotion.history": json.dumps(history),
         "promotion.decision": decision["decision"],
         "promotion.gates": json.dumps(gates, sort_keys=True, default=str),
         "promotion.decided_at": decision["decided_at"],

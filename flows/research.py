@@ -214,7 +214,10 @@ def land_data(params: ResearchParams) -> Selection:
         landed = land_synthetic(catalog, site.root, data.products, dates, data.synthetic,
                                 site=site.name, progress=report)  # fmt: skip
         dataset = "synthetic"
-    counts = {s: sum(1 for x in landed if x.status == s) for s in ("new", "changed", "unchanged")}
+    counts = {
+        s: sum(1 for x in landed if x.status == s)
+        for s in ("new", "changed", "unchanged", "repaired")
+    }
     line = f"{len(landed):,} partitions of {dataset}: " + ", ".join(
         f"{n:,} {status}" for status, n in counts.items() if n
     )
@@ -222,7 +225,10 @@ def land_data(params: ResearchParams) -> Selection:
     progress.note("data", line)
     products = sorted({x.entry.partition.product for x in landed})
     dates = sorted({x.entry.partition.date for x in landed})
-    return Selection(dataset=dataset, products=products, start=dates[0], end=dates[-1])
+    # The run reads exactly these versions from here on (features, training, simulation),
+    # whatever another run lands meanwhile.
+    pin = catalog.pin(dataset, [x.entry for x in landed])
+    return Selection(dataset=dataset, products=products, start=dates[0], end=dates[-1], pin=pin)
 
 
 def mlflow_link(tracking_block, experiment_id: str, run_id: str) -> str:
@@ -314,8 +320,8 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         logger.warning("MLflow run %s was left RUNNING by a process that died: marked KILLED", dead)
     feedback.start("data", params.data.lobster_dir or "synthetic")
     selection = land_data(params)
-    entries = selection.entries(ws.catalog())
-    data_digest = sha256_json(sorted((str(e.partition), e.digest) for e in entries))
+    partitions = selection.table(ws.catalog()).num_rows
+    data_digest = selection.pin  # the digest of exactly the versions landed (and read)
     stage = params.stage(selection)
     tags = {
         "prefect_flow_run_id": flow_run.id or "",
@@ -336,7 +342,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 "dataset": selection.dataset,
                 "products": ",".join(selection.products or []),
                 "dates": f"{selection.start}..{selection.end}",
-                "partitions": len(entries),
+                "partitions": partitions,
                 **{f"features.{k}": v for k, v in params.features.canonical().items()},
                 **{f"train.{k}": v for k, v in asdict(params.train).items()},
                 **{f"sim.{k}": v for k, v in asdict(params.simulation).items()},
@@ -363,9 +369,9 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         parent.flush()
         parent.dataset(name=selection.dataset, digest=data_digest, context="research",
                        source=storage.join(site.root, "datasets", selection.dataset),
-                       rows=len(entries))  # fmt: skip
+                       rows=partitions)  # fmt: skip
         with stage_heartbeats_off():
-            feedback.start("features", f"{len(entries):,} nodes on site {site.name}")
+            feedback.start("features", f"{partitions:,} nodes on site {site.name}")
             feats = features_flow(stage, shard_size=params.shard_size,
                                   parent_run_id=parent.run_id)  # fmt: skip
             feedback.start("train", f"{params.train.steps:,} steps")

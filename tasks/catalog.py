@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from quantloop.tasks import storage
+from quantloop.tasks.engine import sha256_json
 from quantloop.tasks.schema import Partition, levels_of
 
 _SCHEMA = """
@@ -48,6 +49,25 @@ CREATE TABLE IF NOT EXISTS versions (
     dataset TEXT PRIMARY KEY,
     version INTEGER NOT NULL  -- bumped by every write, in the write's transaction
 );
+-- Every version ever landed (partitions keeps the current one): a run pinned to an
+-- older version, a lineage or a reproduction still finds where its bytes are.
+CREATE TABLE IF NOT EXISTS history (
+    dataset TEXT NOT NULL,
+    product TEXT NOT NULL,
+    date TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    rows INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    levels INTEGER NOT NULL,
+    location TEXT NOT NULL,
+    offset INTEGER NOT NULL,
+    length INTEGER NOT NULL,
+    site TEXT NOT NULL,
+    source TEXT NOT NULL,
+    landed_at TEXT NOT NULL,
+    PRIMARY KEY (dataset, product, date, digest)
+);
+CREATE INDEX IF NOT EXISTS history_digest ON history (digest);
 """
 
 
@@ -87,8 +107,13 @@ class Entry(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class Landed:
     entry: Entry
-    status: str  # "new", "unchanged" or "changed"
+    status: str  # "new", "unchanged", "changed" or "repaired" (its stored bytes were bad)
     previous_digest: str | None = None
+
+
+def data_digest(pairs: Iterable[tuple[str, str]]) -> str:
+    """The digest of a set of partition versions: sorted (product/date, digest) pairs."""
+    return sha256_json(sorted(pairs))
 
 
 class Catalog:
@@ -120,10 +145,11 @@ class Catalog:
         digest = storage.sha256_hex(data)
         location = storage.join(root, "datasets", dataset, partition.path, f"{digest}.parquet")
         previous = self.get(dataset, partition)
-        if previous is not None and previous.digest == digest:
-            if storage.exists(previous.location):
-                return Landed(previous, "unchanged")
-        if not storage.exists(location):
+        if previous is not None and previous.digest == digest and self._intact(previous):
+            return Landed(previous, "unchanged")
+        if not storage.exists(location) or not self._intact_at(location, digest):
+            # absent, or its bytes no longer hash to the digest: landing the same source
+            # again repairs a corrupted partition
             storage.write_bytes_atomic(location, data)
         entry = Entry(
             dataset=dataset,
@@ -142,6 +168,8 @@ class Catalog:
         self._record([entry])
         if previous is None:
             return Landed(entry, "new")
+        if previous.digest == digest:
+            return Landed(entry, "repaired", previous.digest)
         return Landed(entry, "changed", previous.digest)
 
     def land_packed(
@@ -194,6 +222,56 @@ class Catalog:
         self.table(dataset)  # the columnar snapshot, built with the landing
         return counts
 
+    @staticmethod
+    def _intact_at(location: str, digest: str) -> bool:
+        try:
+            return storage.sha256_hex(storage.read_bytes(location)) == digest
+        except OSError:
+            return False
+
+    def _intact(self, entry: Entry) -> bool:
+        """Whether the stored bytes of an entry are there and still have its digest."""
+        try:
+            return (
+                storage.sha256_hex(storage.read_range(entry.location, entry.offset, entry.length))
+                == entry.digest
+            )
+        except OSError:
+            return False
+
+    # ---------------------------------------------------------------- pinned versions
+
+    def pin(self, dataset: str, entries: Iterable[Entry]) -> str:
+        """Record exactly these partition versions as one immutable selection; returns
+        its id, the digest of its sorted (product/date, digest) pairs (the run's data
+        digest). A run reads its pin, never "the current version": another run landing
+        new versions of the same partitions meanwhile cannot change what it reads."""
+        rows = sorted((e.partition.product, e.partition.date.isoformat(), e.digest, e.location,
+                       e.offset, e.length) for e in entries)  # fmt: skip
+        if not rows:
+            raise ValueError(f"nothing to pin in dataset {dataset!r}")
+        pin = data_digest((f"{p}/{d}", digest) for p, d, digest, *_ in rows)
+        path = self._pin_path(pin)
+        if not path.exists():
+            columns = list(zip(*rows, strict=True))
+            table = pa.table(
+                [pa.array(c, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
+                 for c, f in zip(columns, self.TABLE_SCHEMA, strict=True)],
+                names=list(self.TABLE_COLUMNS),
+            ).cast(self.TABLE_SCHEMA)  # fmt: skip
+            storage.write_bytes_atomic(str(path), storage.arrow_bytes(table))
+        return pin
+
+    def pinned(self, pin: str) -> pa.Table:
+        """The partition versions of a pin (TABLE_SCHEMA, sorted by product and date)."""
+        path = self._pin_path(pin)
+        if not path.exists():
+            raise LookupError(f"no pinned selection {pin[:16]} in the catalog at {self.path}")
+        return storage.decode_table(path.read_bytes())
+
+    def _pin_path(self, pin: str) -> Path:
+        return self.path.parent / f"{self.path.name}.pins" / f"{pin}.arrows"
+
     def _digests(self, dataset: str, product: str) -> dict[str, str]:
         """The current digest of each of a product's dates."""
         with self._connect() as db:
@@ -212,28 +290,32 @@ class Catalog:
                 " ON CONFLICT(dataset) DO UPDATE SET version = version + 1",
                 [(d,) for d in sorted({e.dataset for e in entries})],
             )
+            rows = [
+                (e.dataset, e.partition.product, e.partition.date.isoformat(), e.digest,
+                 e.rows, e.bytes, e.levels, e.location, e.offset, e.length, e.site,
+                 e.source, now)
+                for e in entries
+            ]  # fmt: skip
             db.executemany(
-                "INSERT OR REPLACE INTO partitions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                [
-                    (e.dataset, e.partition.product, e.partition.date.isoformat(), e.digest,
-                     e.rows, e.bytes, e.levels, e.location, e.offset, e.length, e.site,
-                     e.source, now)
-                    for e in entries
-                ],
-            )  # fmt: skip
+                "INSERT OR REPLACE INTO partitions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows
+            )
+            db.executemany("INSERT OR REPLACE INTO history VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                           rows)  # fmt: skip
 
     def get(self, dataset: str, partition: Partition) -> Entry | None:
         rows = self.entries(dataset, [partition])
         return rows[0] if rows else None
 
     def with_digest(self, digest: str) -> list[Entry]:
-        """Current entries, of any dataset, whose content has this digest."""
+        """Entries, of any dataset, current or replaced, whose content has this digest."""
         with self._connect() as db:
             found = db.execute(
                 "SELECT dataset, product, date, digest, rows, bytes, levels, location, offset,"
-                " length, site, source FROM partitions WHERE digest = ?"
-                " ORDER BY dataset, product, date",
-                (digest,),
+                " length, site, source FROM history WHERE digest = ?"
+                " UNION SELECT dataset, product, date, digest, rows, bytes, levels, location,"
+                " offset, length, site, source FROM partitions WHERE digest = ?"
+                " ORDER BY 1, 2, 3",
+                (digest, digest),
             ).fetchall()
         return [Entry(r[0], Partition.trusted(r[1], dt.date.fromisoformat(r[2])), *r[3:])
                 for r in found]  # fmt: skip

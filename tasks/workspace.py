@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from quantloop.blocks.catalog import DataCatalog
 from quantloop.blocks.site import Site
 from quantloop.blocks.tracking import MlflowTracking
-from quantloop.tasks.catalog import Catalog, Entry
+from quantloop.tasks.catalog import Catalog
 
 DEFAULT_HOME = ".quantloop"
 # A saved block given by its name (JSON, the CLI, prefect.yaml); the UI labels the choice.
@@ -145,21 +145,17 @@ class Selection(BaseModel):
     end: dt.date | None = Field(
         default=None, title="Last date", description="Last date (included). None: the latest."
     )
-
-    def entries(self, catalog: Catalog) -> list[Entry]:
-        found = [
-            e
-            for e in catalog.entries(self.dataset)
-            if (self.products is None or e.partition.product in self.products)
-            and (self.start is None or e.partition.date >= self.start)
-            and (self.end is None or e.partition.date <= self.end)
-        ]
-        self._check(catalog, {e.partition.product for e in found})
-        return found
+    pin: str | None = Field(
+        default=None,
+        title="Pinned versions",
+        description="The exact partition versions to read (a pin the research run records "
+        "when it lands its data). None: the catalog's current versions.",
+    )
 
     def table(self, catalog: Catalog) -> pa.Table:
-        """The selected entries as Arrow columns (`Catalog.table`)."""
-        table = catalog.table(self.dataset)
+        """The selected entries as Arrow columns (`Catalog.table`): the pinned versions
+        when there is a pin, else the current ones."""
+        table = catalog.pinned(self.pin) if self.pin else catalog.table(self.dataset)
         keep = None
         if self.products is not None:
             keep = pc.is_in(table["product"], value_set=pa.array(self.products, pa.string()))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pytest
+
 from quantloop.tasks import storage
 from quantloop.tasks.catalog import Catalog
 from quantloop.tasks.schema import Partition
@@ -80,3 +82,39 @@ def test_packed_partitions_match_single_files(tmp_path):
     after = {(e.partition.product, e.partition.date): e for e in catalog.entries("packed")}
     for part, table in parts:
         assert storage.read_table(after[part.product, part.date].blob).equals(table)
+
+
+def test_a_pin_keeps_reading_the_versions_it_pinned(tmp_path):
+    """A run pins what it landed; another run landing new versions of the same partitions
+    changes the current versions, not the pin, and every version stays findable."""
+    from quantloop.tasks.workspace import Selection
+
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = str(tmp_path / "store")
+    mine = [catalog.land("d", p, t, root=root).entry for p, t in books(seed=0)]
+    pin = catalog.pin("d", mine)
+    theirs = [catalog.land("d", p, t, root=root) for p, t in books(seed=10)]
+    assert {x.status for x in theirs} == {"changed"}
+    selection = Selection(dataset="d", pin=pin)
+    assert selection.table(catalog)["digest"].to_pylist() == [e.digest for e in mine]
+    current = Selection(dataset="d").table(catalog)["digest"].to_pylist()
+    assert current == [x.entry.digest for x in theirs]
+    # the replaced versions are still found by digest (lineage, reproduction)
+    assert [e.location for e in catalog.with_digest(mine[0].digest)] == [mine[0].location]
+    assert pin == catalog.pin("d", reversed(mine))  # the same versions, the same pin
+    with pytest.raises(LookupError, match="no pinned selection"):
+        catalog.pinned("0" * 64)
+
+
+def test_landing_the_same_source_again_repairs_a_corrupted_partition(tmp_path):
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = str(tmp_path / "store")
+    part, table = books()[0]
+    entry = catalog.land("d", part, table, root=root).entry
+    data = bytearray(open(entry.location, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(entry.location, "wb").write(bytes(data))
+    again = catalog.land("d", part, table, root=root)
+    assert again.status == "repaired" and again.entry.digest == entry.digest
+    assert storage.sha256_hex(storage.read_bytes(entry.location)) == entry.digest
+    assert catalog.land("d", part, table, root=root).status == "unchanged"
