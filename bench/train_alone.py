@@ -30,7 +30,8 @@ from quantloop.profiling.proof import plan_rungs  # noqa: E402
 from quantloop.profiling.trainer import train_applied, training_set  # noqa: E402
 from quantloop.tasks.features import FeatureParams, compute_features, feature_set  # noqa: E402
 from quantloop.tasks.synthetic import SyntheticConfig, generate_day  # noqa: E402
-from quantloop.tasks.training import TrainConfig, prepare  # noqa: E402
+from quantloop.tasks.train_config import TrainConfig  # noqa: E402
+from quantloop.tasks.training import prepare  # noqa: E402
 
 RUNGS = ("compile", "bf16", "device_metrics", "fused_kernel", "streams", "cudagraph", "packing",
          "flex_attention", "flat_grads")  # fmt: skip

@@ -79,6 +79,7 @@ def feature_shard(
     connect: SiteClient,
     shard: int,
     records: RunRecords,
+    verify_hits: bool = False,
 ) -> RunSummary:
     # Progress the researcher sees in the Prefect UI; each update is an API call that
     # costs the server CPU, so a shard sends one every few seconds. The artifact is
@@ -106,7 +107,7 @@ def feature_shard(
     nodes = plan_nodes(kind, entries, params_of)
     store = NodeStore(store_root)
     result = run_nodes(kind, params, nodes, store, connect=connect, site=site, progress=report,
-                       priority=-shard)  # fmt: skip
+                       priority=-shard, verify_hits=verify_hits)  # fmt: skip
     records.write(shard, result.manifest)
     get_run_logger().info(
         "shard %s: %d nodes, %d cache hits, %d computed, %d failed in %.2f s",
@@ -141,6 +142,7 @@ def features(
     stage: StageParams = StageParams(),
     shard_size: int = 50_000,
     parent_run_id: str | None = None,
+    verify_hits: bool = False,
 ) -> RunSummary:
     """Compute, or find in the cache, the feature node of every selected partition.
 
@@ -155,6 +157,9 @@ def features(
             shard, never one per node.
         parent_run_id: An MLflow run to record under as a child run "features"; empty:
             nothing is recorded.
+        verify_hits: Re-hash every cached output before counting it a hit (an auditor's
+            setting: it reads every output); a damaged one is recomputed, reason
+            "corrupt" or "missing".
     """
     t0 = time.perf_counter()
     logger = get_run_logger()
@@ -182,7 +187,7 @@ def features(
             running.append(
                 feature_shard.submit(
                     quote(kind), quote(by_digest), quote(params_of), quote(shard_entries),
-                    site.root, site.name, quote(connect), i, quote(records),
+                    site.root, site.name, quote(connect), i, quote(records), verify_hits,
                 )
             )  # fmt: skip
             while len(running) >= SHARDS_IN_FLIGHT:

@@ -32,7 +32,8 @@ from quantloop.tasks.reproduce import (
 )
 from quantloop.tasks.simulation import SimConfig, replay_all, summarize
 from quantloop.tasks.stage import StageParams, feature_outputs
-from quantloop.tasks.training import TrainConfig, load_model, resolve_device
+from quantloop.tasks.train_config import TrainConfig
+from quantloop.tasks.training import load_model, resolve_device
 from quantloop.tasks.workspace import Workspace
 
 

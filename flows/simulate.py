@@ -24,6 +24,7 @@ from quantloop.tasks.stage import (
     feature_outputs,
     keyed_output,
     output_key,
+    read_outputs,
 )
 from quantloop.tasks.training import load_model
 
@@ -78,7 +79,7 @@ def simulate(
     sim = keyed_output(
         stage.workspace.resolve_site().root, "simulation", key, ".parquet",
         load=lambda url: split_markouts(storage.read_parquet(url)),
-        compute=lambda: replay_all(predictor, {p: o.read() for p, o in outputs.items()}, config,
+        compute=lambda: replay_all(predictor, read_outputs(stage, outputs), config,
                                    stage.holdout_fraction),
         save=lambda url, merged: storage.write_parquet_atomic(url, stack_markouts(merged)),
     )  # fmt: skip

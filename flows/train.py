@@ -27,6 +27,7 @@ from quantloop.tasks.stage import (
     keyed_output,
     output_key,
     plan_features,
+    read_outputs,
 )
 from quantloop.tasks.training import (
     TrainConfig,
@@ -116,7 +117,7 @@ def train(
     logger.info("training optimizations: %s", plan.record())
 
     def fit_now() -> TrainResult:
-        tables = {p: o.read() for p, o in outputs.items()}
+        tables = read_outputs(stage, outputs)
         return trainer.train_on_features(
             tables, stage.features, stage.holdout_fraction, config, plan
         )

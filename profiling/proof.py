@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from quantloop.profiling.rungs import BY_SWITCH, missing_requirements, runnable, skip_reason
-from quantloop.tasks.training import OPTIMIZATIONS
+from quantloop.tasks.train_config import OPTIMIZATIONS
 
 PROVEN_PATH = Path(__file__).with_name("proven.json")  # the committed results, condensed
 

@@ -179,7 +179,7 @@ def run(
     """Run the research flow: data -> features -> train -> simulate -> MLflow."""
     if not verbose:
         quiet_console()
-    from quantloop.flows.research import ResearchParams, research
+    from quantloop.flows.params import ResearchParams
     from quantloop.tasks import progress
     from quantloop.tasks.reaper import reap_on_death
 
@@ -218,6 +218,8 @@ def run(
         try:
             # A kill -9 of this command ends the temporary Prefect server and the Dask
             # processes with it (tasks/reaper.py).
+            from quantloop.flows.research import research
+
             with reap_on_death():
                 summary = research(research_params)
         except Exception as exc:  # noqa: BLE001 - one line for the user, the rest in the log
@@ -312,6 +314,41 @@ def reproduce(
 
 
 @app.command()
+def verify(
+    sample: Annotated[
+        int, typer.Option(help="Stored feature outputs to re-hash, drawn with a fixed seed; 0: all")
+    ] = 0,
+    repair: Annotated[
+        bool, typer.Option("--repair/--check-only", help="Drop damaged outputs from the cache")
+    ] = True,
+    summary_json: Annotated[
+        Path | None, typer.Option("--summary-json", help="Also write the report here.")
+    ] = None,
+    home: HomeOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Re-hash the workspace's stored outputs, models and inputs; damaged outputs are
+    dropped from the cache (the next run recomputes them). Exits 1 if anything is damaged."""
+    if not verbose:
+        quiet_console()
+    from quantloop.flows.verify import verify as verify_flow
+
+    report = verify_flow(_workspace(home, None), sample=sample or None, repair=repair)
+    for key, reason in report["outputs_damaged"].items():
+        console.print(f"output {key[:16]}: {reason}")
+    for line in report["models_damaged"] + report["inputs_damaged"]:
+        console.print(line, soft_wrap=True)
+    console.print(
+        f"{report['outputs_checked']:,} of {report['outputs_committed']:,} outputs checked, "
+        f"{len(report['outputs_damaged'])} damaged; {len(report['models_damaged'])} models, "
+        f"{len(report['inputs_damaged'])} inputs damaged ({report['seconds']:.1f} s)"
+    )
+    _write_json(summary_json, report)
+    if report["outputs_damaged"] or report["models_damaged"] or report["inputs_damaged"]:
+        raise typer.Exit(1)
+
+
+@app.command()
 def promote(
     run: RunArgument,
     horizon: Annotated[str, typer.Option(help="Mark-out horizon the gate compares")] = "5s",
@@ -362,6 +399,10 @@ def serve(
     prefect_file: Annotated[
         Path | None, typer.Option(help="The deployments file [default: infra/prefect.yaml]")
     ] = None,
+    auth: Annotated[
+        bool,
+        typer.Option("--auth/--no-auth", help="Lock both servers (credentials in home/serve)"),
+    ] = True,
 ) -> None:
     """Run the local stack: Prefect server and UI, MLflow, a worker with the deployments."""
     from quantloop.deploy import PREFECT_YAML, DeploymentConflict
@@ -369,7 +410,7 @@ def serve(
 
     cfg = StackConfig(
         home=home.resolve(), host=host, prefect_port=prefect_port, mlflow_port=mlflow_port,
-        pool=pool, prefect_file=(prefect_file or PREFECT_YAML).resolve(),
+        pool=pool, prefect_file=(prefect_file or PREFECT_YAML).resolve(), auth=auth,
     )  # fmt: skip
     try:
         serve_forever(cfg, say=lambda line: console.print(line, highlight=False, soft_wrap=True))

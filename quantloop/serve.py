@@ -15,20 +15,23 @@ stops them in order (the worker first, which cancels its flow runs) and then end
 anything they left; a watcher ends them if `serve` itself is killed (tasks/reaper.py).
 A second start finds the same database, stores and static files.
 
-Authentication is not built yet; where it goes: a Prefect API auth string is a
-setting of the server (PREFECT_SERVER_API_AUTH_STRING) and of its clients
-(PREFECT_API_AUTH_STRING), both set in `prefect_env`; MLflow's basic auth is
-`--app-name basic-auth` plus its config in `mlflow_service`, and the workspace's
-tracking then needs a block with credentials.
+The servers are locked: Prefect with an API auth string (its clients, the worker and
+this process send it; its UI asks for it once and keeps it), MLflow behind its
+basic-auth app. The credentials are made on the first start, kept in
+<home>/serve/credentials.json (readable by its owner only) and reused; a request
+without them gets 401. Flow runs record to the workspace's MLflow store directly,
+not through the server, so they need none. `--no-auth` serves without it.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import datetime
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -45,6 +48,25 @@ WORKER_NAME = "quantloop-serve"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Credentials:
+    prefect_auth_string: str  # "user:password", Prefect's API auth string
+    mlflow_user: str
+    mlflow_password: str  # MLflow asks for 12 characters or more
+
+    def __repr__(self) -> str:  # never shown
+        return "Credentials(...)"
+
+
+MLFLOW_AUTH_INI = """[mlflow]
+default_permission = READ
+database_uri = sqlite:///{db}
+admin_username = {user}
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+grant_default_workspace_access = false
+"""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StackConfig:
     """Where the stack lives and listens."""
 
@@ -55,6 +77,7 @@ class StackConfig:
     pool: str = "quantloop-local"
     prefect_file: Path = PREFECT_YAML
     checkout: Path = REPO_ROOT
+    auth: bool = True
 
     @property
     def state(self) -> Path:
@@ -80,6 +103,22 @@ class StackConfig:
     def mlflow_store(self) -> str:
         """The workspace's MLflow store: what embedded runs on this home write."""
         return "sqlite:///" + str(self.home / "mlflow.db")
+
+    def credentials(self) -> Credentials | None:
+        """The stack's credentials (made on its first start, then reused); None with
+        auth off."""
+        if not self.auth:
+            return None
+        path = self.state / "credentials.json"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            made = Credentials(prefect_auth_string=f"quantloop:{secrets.token_urlsafe(18)}",
+                               mlflow_user="quantloop",
+                               mlflow_password=secrets.token_urlsafe(18))  # fmt: skip
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(dataclasses.asdict(made), f, indent=1)
+        return Credentials(**json.loads(path.read_text()))
 
     def workspace(self) -> dict:
         """The research workspace the deployments get: embedded defaults under home."""
@@ -156,6 +195,8 @@ def prefect_env(home: Path, **settings: str) -> dict[str, str]:
 
 def prefect_service(cfg: StackConfig) -> Service:
     home = cfg.state / "prefect"
+    creds = cfg.credentials()
+    locked = {"PREFECT_SERVER_API_AUTH_STRING": creds.prefect_auth_string} if creds else {}
     env = prefect_env(
         home,
         PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
@@ -165,6 +206,7 @@ def prefect_service(cfg: StackConfig) -> Service:
         # The UI's static files, copied and rewritten on the first start (a cache key
         # per Prefect version and base URL): here, not in the installed package.
         PREFECT_UI_STATIC_DIRECTORY=str(home / "ui"),
+        **locked,
     )
     argv = [sys.executable, "-m", "prefect", "server", "start",
             "--host", cfg.host, "--port", str(cfg.prefect_port)]  # fmt: skip
@@ -173,8 +215,17 @@ def prefect_service(cfg: StackConfig) -> Service:
 
 def mlflow_service(cfg: StackConfig) -> Service:
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    app = []
+    if creds := cfg.credentials():
+        ini = cfg.state / "mlflow-auth.ini"
+        ini.write_text(MLFLOW_AUTH_INI.format(db=cfg.state / "mlflow-auth.db",
+                                              user=creds.mlflow_user))  # fmt: skip
+        env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini),
+                   MLFLOW_AUTH_ADMIN_PASSWORD=creds.mlflow_password,
+                   MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))  # fmt: skip
+        app = ["--app-name", "basic-auth"]
     argv = [
-        sys.executable, "-m", "mlflow", "server",
+        sys.executable, "-m", "mlflow", "server", *app,
         "--host", cfg.host, "--port", str(cfg.mlflow_port), "--workers", "1",
         "--backend-store-uri", cfg.mlflow_store,
         "--artifacts-destination", str(cfg.home / "mlartifacts"),
@@ -185,9 +236,11 @@ def mlflow_service(cfg: StackConfig) -> Service:
 def worker_service(cfg: StackConfig) -> Service:
     from quantloop.tasks.workspace import MLFLOW_UI_STORE_ENV, MLFLOW_UI_URL_ENV
 
+    creds = cfg.credentials()
     env = prefect_env(
         cfg.state / "worker",
         PREFECT_API_URL=cfg.api_url,
+        **({"PREFECT_API_AUTH_STRING": creds.prefect_auth_string} if creds else {}),
         PREFECT_WORKER_QUERY_SECONDS="2",
         # Summaries of runs recorded in the workspace's store link to this MLflow UI.
         **{MLFLOW_UI_URL_ENV: cfg.mlflow_url, MLFLOW_UI_STORE_ENV: cfg.mlflow_store},
@@ -219,14 +272,20 @@ def wait_for(
     return took
 
 
-def get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=5) as r:
+def get(url: str, auth: str | None = None) -> bytes:
+    """GET, with HTTP basic auth ("user:password") when given."""
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    with urllib.request.urlopen(request, timeout=5) as r:
         return r.read()
 
 
 def ui_serves_the_app(cfg: StackConfig) -> bool:
     """The UI's settings name this stack's API, and its default UI's page is served."""
-    settings = json.loads(get(cfg.prefect_url + "/ui-settings"))
+    creds = cfg.credentials()
+    settings = json.loads(get(cfg.prefect_url + "/ui-settings",
+                              creds.prefect_auth_string if creds else None))  # fmt: skip
     base = settings.get(f"{settings.get('default_ui')}_base_url") or "/"
     page = get(cfg.prefect_url + base.rstrip("/") + "/").decode(errors="replace")
     return settings.get("api_url") == cfg.api_url and '<script type="module"' in page
@@ -278,11 +337,14 @@ def register_blocks() -> None:
 @contextlib.contextmanager
 def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator[Stack]:
     """The stack, up and ready inside the block, stopped (everything) on the way out."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from quantloop.tasks.reaper import reap_on_death
 
     cfg.logs.mkdir(parents=True, exist_ok=True)
+    creds = cfg.credentials()
+    prefect_auth = creds.prefect_auth_string if creds else None
+    client_auth = {PREFECT_API_AUTH_STRING: prefect_auth} if creds else {}
     first = not (cfg.state / "prefect" / "ui").exists()
     prefect, mlflow = prefect_service(cfg), mlflow_service(cfg)
     services = [prefect, mlflow]
@@ -299,7 +361,7 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
         timings.update(
             wait_for(
                 {
-                    "prefect_api_s": lambda: get(cfg.api_url + "/health") == b"true",
+                    "prefect_api_s": lambda: get(cfg.api_url + "/health", prefect_auth) == b"true",
                     "prefect_ui_s": lambda: ui_serves_the_app(cfg),
                     "mlflow_s": lambda: get(cfg.mlflow_url + "/health") == b"OK",
                 },
@@ -308,7 +370,7 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
             )
         )
         t1 = time.monotonic()
-        with temporary_settings({PREFECT_API_URL: cfg.api_url}):
+        with temporary_settings({PREFECT_API_URL: cfg.api_url, **client_auth}):
             register_blocks()
             specs = for_stack(
                 read_deployments(cfg.prefect_file, cfg.checkout),
@@ -346,6 +408,11 @@ def serve_forever(cfg: StackConfig, say: Callable[[str], None] = print) -> None:
                 say(f"{name + ':':13} {url}")
             say(f"deployments:  {', '.join(stack.deployments)} on work pool {cfg.pool}")
             say(f"workspace:    {cfg.home}   logs: {cfg.logs}")
+            if cfg.auth:
+                say(
+                    f"credentials:  {cfg.state / 'credentials.json'} (the Prefect UI asks for "
+                    "prefect_auth_string; MLflow for mlflow_user and mlflow_password)"
+                )
             say(
                 f"ready in {t['total_s']:.1f} s (Prefect API {t['prefect_api_s']:.1f} s, "
                 f"UI {t['prefect_ui_s']:.1f} s, MLflow {t['mlflow_s']:.1f} s, deployments "

@@ -145,7 +145,7 @@ class Catalog:
         digest = storage.sha256_hex(data)
         location = storage.join(root, "datasets", dataset, partition.path, f"{digest}.parquet")
         previous = self.get(dataset, partition)
-        if previous is not None and previous.digest == digest and self._intact(previous):
+        if previous is not None and previous.digest == digest and self.intact(previous):
             return Landed(previous, "unchanged")
         if not storage.exists(location) or not self._intact_at(location, digest):
             # absent, or its bytes no longer hash to the digest: landing the same source
@@ -229,7 +229,7 @@ class Catalog:
         except OSError:
             return False
 
-    def _intact(self, entry: Entry) -> bool:
+    def intact(self, entry: Entry) -> bool:
         """Whether the stored bytes of an entry are there and still have its digest."""
         try:
             return (

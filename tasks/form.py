@@ -41,7 +41,7 @@ from pydantic_core import core_schema
 
 from quantloop.tasks.features import FeatureParams
 from quantloop.tasks.simulation import SimConfig
-from quantloop.tasks.training import TrainConfig
+from quantloop.tasks.train_config import TrainConfig
 
 Events = Annotated[int, Field(ge=1)]
 

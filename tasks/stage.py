@@ -10,7 +10,8 @@ recomputing it.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -27,6 +28,7 @@ from quantloop.tasks.schema import Partition
 from quantloop.tasks.workspace import Selection, Workspace
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class StageParams(BaseModel):
@@ -95,6 +97,48 @@ class FeatureOutput:
         return storage.read_table(self.blob)
 
 
+class DamagedOutputs(RuntimeError):
+    """Stored feature outputs failed their digest or were gone when read; they have been
+    dropped from the cache index, so the features stage recomputes them (the research
+    flow does so itself, then goes on)."""
+
+    def __init__(self, damaged: dict[str, str], labels: dict[str, str]):
+        self.damaged = damaged  # key -> "corrupt" or "missing"
+        shown = ", ".join(f"{labels[k]} ({r})" for k, r in list(damaged.items())[:5])
+        super().__init__(
+            f"{len(damaged)} stored feature outputs were damaged and are dropped from the "
+            f"cache (e.g. {shown}); the features stage recomputes them"
+        )
+
+
+def read_outputs(
+    stage: StageParams, outputs: Mapping[Partition, FeatureOutput]
+) -> dict[Partition, pa.Table]:
+    """Each partition's feature table, checked against its digest. Damaged ones are
+    dropped from the index together (all of them, not the first), then DamagedOutputs
+    is raised: a damaged output is never used, nor counted as a hit again."""
+    tables, damaged, labels = {}, {}, {}
+    for part, out in outputs.items():
+        try:
+            tables[part] = out.read()
+        except FileNotFoundError:
+            damaged[out.key], labels[out.key] = "missing", str(part)
+        except (ValueError, OSError) as exc:
+            why = "missing" if "No such file" in str(exc) else "corrupt"
+            damaged[out.key], labels[out.key] = why, str(part)
+    if damaged:
+        plan = plan_features(stage)
+        store = NodeStore(stage.workspace.resolve_site().root)
+        for reason in set(damaged.values()):
+            keys = pa.array([k for k, r in damaged.items() if r == reason], pa.string())
+            rows = plan.nodes.filter(pc.is_in(plan.nodes["key"], value_set=keys))
+            store.drop(plan.kind.name, rows.select(["key", "kind", "product", "date", "code",
+                                                    "params"]).append_column(
+                "inputs", rows["digest"]), reason)  # fmt: skip
+        raise DamagedOutputs(damaged, labels)
+    return tables
+
+
 def feature_outputs(stage: StageParams) -> dict[Partition, FeatureOutput]:
     """Where each selected partition's features are stored; fails if any is missing."""
     plan = plan_features(stage)
@@ -126,6 +170,7 @@ class Keyed(Generic[T]):
     url: str
     value: T
     cache_hit: bool
+    reason: str = ""  # why it was computed when it was stored: "corrupt"
 
 
 def output_key(kind: str, **decided_by: Any) -> str:
@@ -150,7 +195,16 @@ def keyed_output(
     """
     url = storage.join(root, f"{kind}s", f"{key}{suffix}")
     if storage.exists(url):
-        return Keyed(key, url, load(url), cache_hit=True)
+        try:
+            return Keyed(key, url, load(url), cache_hit=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable stored output is recomputed
+            # Its bytes fail their check (or do not parse): never used, computed again
+            # and stored over it.
+            log.warning("%s %s is damaged (%s: %s): recomputing it", kind, key[:12],
+                        type(exc).__name__, exc)  # fmt: skip
+            value = compute()
+            save(url, value)
+            return Keyed(key, url, value, cache_hit=False, reason="corrupt")
     value = compute()
     save(url, value)
     return Keyed(key, url, value, cache_hit=False)

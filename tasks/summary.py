@@ -21,6 +21,15 @@ class ResearchSummary(BaseModel):
     nodes: int = Field(description="Feature nodes of the run.")
     cache_hits: int
     computed: int
+    recomputed: dict[str, int] = Field(
+        default_factory=dict,
+        description="Computed feature nodes by why they ran: new, code, params, input, "
+        "corrupt or missing (a stored output that failed its digest or was gone), ...",
+    )
+    healed_outputs: int = Field(
+        default=0,
+        description="Damaged stored outputs found while reading and recomputed in this run.",
+    )
     markout_bps: dict[str, float] = Field(description="Model mark-out by horizon, all products.")
     baseline_markout_bps: dict[str, float]
     hit_rate: dict[str, float]

@@ -44,10 +44,14 @@ def client_for(tracking: MlflowTracking) -> tuple[MlflowClient, str]:
         # credentials win over the environment's.
         os.environ["MLFLOW_TRACKING_USERNAME"] = tracking.username
         os.environ["MLFLOW_TRACKING_PASSWORD"] = tracking.password.get_secret_value()
-    client = MlflowClient(tracking_uri=uri)
     with _store_lock(uri):
-        # The first call creates a SQLite store's tables: two first runs at once raced
-        # in its migration (alembic_version ... 0 found, 1 of 3 pairs here).
+        # Opening a SQLite store creates its tables (the client's constructor opens the
+        # tracking store, the first registry call the registry's): two first runs at
+        # once raced in the migration ("alembic_version ... 0 found", then "duplicate
+        # column name: step" in CI), so both are opened under the lock.
+        client = MlflowClient(tracking_uri=uri)
+        if uri.startswith("sqlite:///"):
+            client.search_registered_models(max_results=1)
         exp = client.get_experiment_by_name(tracking.experiment)
     if exp is not None:
         if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # made before quantloop set it

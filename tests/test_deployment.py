@@ -8,8 +8,11 @@ exactly as an operator's deployment runs, and reports to a real MLflow server.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.flows import load_flow_from_entrypoint
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
 from quantloop.blocks import MlflowTracking, Site
 from quantloop.deploy import REPO_ROOT, apply, ensure_pool, for_stack, read_deployments
@@ -79,12 +82,32 @@ def tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+# The module's server is locked, as infra/README.md starts it: every client here (this
+# process, the CLIs, the worker and its flow runs) sends the auth string.
+AUTH = "quantloop:test-" + os.urandom(8).hex()
+
+
+def settings(api: str):
+    return temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: AUTH})
+
+
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory) -> tuple[str, Path]:
     """A real `prefect server` for this module: (API URL, its folder)."""
     folder = tmp_path_factory.mktemp("prefect")
-    with servers.prefect_server(folder) as api:
+    with servers.prefect_server(folder, auth_string=AUTH) as api:
         yield api, folder
+
+
+def test_the_locked_server_refuses_a_client_without_the_auth_string(prefect_server):
+    api, _ = prefect_server
+    request = urllib.request.Request(f"{api}/flows/filter", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 401
+    with settings(api), get_client(sync_client=True) as client:
+        client.read_flows(limit=1)  # with it, the same call is answered
 
 
 @pytest.mark.slow
@@ -95,7 +118,7 @@ def test_research_deployment_runs_on_a_process_worker(prefect_server, tmp_path, 
     research = [d for d in read_deployments(PREFECT_YAML) if d.flow == "research"]
     specs = for_stack(research, pool=POOL, checkout=REPO_ROOT, workspace={"home": str(home)})
     # Restored on exit, so later tests see the session's settings again.
-    with temporary_settings({PREFECT_API_URL: api}):
+    with settings(api):
         ids = apply(specs)
         with get_client(sync_client=True) as client:
             deployment = client.read_deployment(ids["research/desk"])
@@ -103,7 +126,7 @@ def test_research_deployment_runs_on_a_process_worker(prefect_server, tmp_path, 
         assert deployment.pull_steps == [
             {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO_ROOT)}}
         ]
-        with servers.prefect_worker(api, POOL, worker_dir):
+        with servers.prefect_worker(api, POOL, worker_dir, env={"PREFECT_API_AUTH_STRING": AUTH}):
             flow_run = run_deployment(
                 "research/desk", parameters=tiny_params(home, mlflow_uri), timeout=240
             )
@@ -138,7 +161,8 @@ def quantloop_cli(api: str, home: Path, *args: str, check: bool = True):
     proc = subprocess.run(
         [sys.executable, "-m", "quantloop.cli", *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
-        env=servers.prefect_env(home, PREFECT_API_URL=api, COLUMNS="200"),
+        env=servers.prefect_env(home, PREFECT_API_URL=api, PREFECT_API_AUTH_STRING=AUTH,
+                                COLUMNS="200"),
     )  # fmt: skip
     assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -148,7 +172,7 @@ def prefect_cli(api: str, home: Path, *args: str) -> subprocess.CompletedProcess
     proc = subprocess.run(
         [sys.executable, "-m", "prefect", "--no-prompt", *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-        env=servers.prefect_env(home, PREFECT_API_URL=api),
+        env=servers.prefect_env(home, PREFECT_API_URL=api, PREFECT_API_AUTH_STRING=AUTH),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -159,7 +183,7 @@ def prefect_cli(api: str, home: Path, *args: str) -> subprocess.CompletedProcess
 def test_operator_setup_from_infra_readme(prefect_server, mlflow_uri):
     """infra/README.md's steps: register the blocks, save them, deploy prefect.yaml."""
     api, folder = prefect_server
-    with temporary_settings({PREFECT_API_URL: api}):
+    with settings(api):
         prefect_cli(api, folder / "cli-home", "block", "register", "-m", "quantloop.blocks")
         Site(name="onprem", scheduler_address="tcp://10.0.0.5:8786", storage_root="s3://x/y").save(
             "onprem", overwrite=True

@@ -231,3 +231,82 @@ def test_records_wait_for_an_mlflow_server_that_comes_back(tmp_path):
     finally:
         stop.set()
         thread.join(60)
+
+
+# ---------------------------------------------------------------- Prefect restarted mid-run
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_deployment_run_survives_a_prefect_server_restart(tmp_path):
+    """The Prefect server stops while a research deployment runs on a process worker and
+    comes back on its port and database; the flow run's client retries through the gap
+    and the run completes, recorded as such."""
+    import threading
+
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    from quantloop.deploy import PREFECT_YAML, REPO_ROOT, apply, for_stack, read_deployments
+    from tests.servers import free_port, prefect_server, prefect_worker
+
+    auth, port, folder = "quantloop:restart-" + uuid.uuid4().hex[:8], free_port(), tmp_path / "p"
+    home = tmp_path / "home"
+    params = {"params": {
+        "workspace": {"home": str(home), "n_workers": 1},
+        "data": {"products": ["SYNA"], "n_dates": 2,
+                 "synthetic": {"events_per_day": 3_000, "levels": 2}},
+        "train": {"steps": 600, "batch_size": 64, "optimizations": "none"},  # ~20 s
+    }}  # fmt: skip
+    restarted = threading.Event()
+    stop_server = threading.Event()
+    up = threading.Event()
+
+    def server() -> None:  # the server's life: up, down while the run trains, up again
+        with prefect_server(folder, auth_string=auth, port=port):
+            up.set()
+            stop_server.wait(300)
+        time.sleep(3)
+        with prefect_server(folder, auth_string=auth, port=port):
+            restarted.set()
+            while not finished.is_set():
+                time.sleep(0.5)
+
+    finished = threading.Event()
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    assert up.wait(180), "the Prefect server did not start"
+    api = f"http://127.0.0.1:{port}/api"
+    research = [d for d in read_deployments(PREFECT_YAML) if d.flow == "research"]
+    try:
+        with temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: auth}):
+            apply(for_stack(research, pool="restart-pool", checkout=REPO_ROOT,
+                            workspace={"home": str(home)}))  # fmt: skip
+            with prefect_worker(api, "restart-pool", tmp_path / "worker",
+                                env={"PREFECT_API_AUTH_STRING": auth}):  # fmt: skip
+                flow_run = run_deployment("research/desk", parameters=params, timeout=0)
+                deadline = time.monotonic() + 240
+                with get_client(sync_client=True) as client:
+                    # take the server away while the training stage runs
+                    while time.monotonic() < deadline:
+                        running = {client.read_flow(r.flow_id).name
+                                   for r in client.read_flow_runs()
+                                   if r.state is not None and r.state.is_running()}  # fmt: skip
+                        if "train" in running:
+                            break
+                        time.sleep(0.5)
+                    assert "train" in running, f"never saw the train stage run: {running}"
+                stop_server.set()
+                assert restarted.wait(180), "the Prefect server did not come back"
+                with get_client(sync_client=True) as client:
+                    while not (run := client.read_flow_run(flow_run.id)).state.is_final():
+                        assert time.monotonic() < deadline + 300, f"still {run.state_name}"
+                        time.sleep(1)
+        assert run.state.is_completed(), (
+            f"{run.state}\n" + (tmp_path / "worker" / "prefect-worker.log").read_text()[-4000:]
+        )
+    finally:
+        finished.set()
+        stop_server.set()
+        thread.join(120)

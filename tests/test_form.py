@@ -26,7 +26,7 @@ from quantloop.tasks.engine import code_fingerprint, sha256_json
 from quantloop.tasks.features import FeatureParams, feature_set
 from quantloop.tasks.form import FEATURES, OVERRIDABLE, ProductOverride, TrainForm
 from quantloop.tasks.planning import feature_kind
-from quantloop.tasks.training import TrainConfig
+from quantloop.tasks.train_config import TrainConfig
 
 FLOWS = {"research": research, "features": features, "train": train, "simulate": simulate}
 

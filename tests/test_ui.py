@@ -4,8 +4,11 @@
 with the deployments of a prefect.yaml) runs on free loopback ports; Playwright drives
 Debian's Chromium through the research deployment's run form, submits a run with one
 changed field, waits for the worker to finish it, opens its summary artifact and
-follows the artifact's link to the run's page in the MLflow UI. Then Ctrl-C (SIGINT)
-stops the stack, leaving no process behind, and a second start finds the same stores.
+follows the artifact's link to the run's page in the MLflow UI. Both servers are
+locked: a request without the stack's credentials gets 401; the browser logs in as a
+user does (Prefect's UI keeps the auth string it is given, MLflow asks with HTTP basic
+auth). Then Ctrl-C (SIGINT) stops the stack, leaving no process behind, and a second
+start finds the same stores.
 
 The browser is a dependency of the suite: `bash infra/install.sh --dev` installs it.
 Without it this test fails, saying so; outside CI, QUANTLOOP_SKIP_BROWSER=1 turns that
@@ -15,12 +18,15 @@ into a skip. QUANTLOOP_CHROMIUM names another Chromium binary.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,12 +75,25 @@ def tiny_deployments(path: Path) -> Path:
 
 
 class Served:
-    def __init__(self, proc: subprocess.Popen, out: Path, prefect: str, mlflow: str):
+    def __init__(self, proc: subprocess.Popen, out: Path, prefect: str, mlflow: str, home: Path):
         self.proc, self.out, self.prefect, self.mlflow = proc, out, prefect, mlflow
+        self.home = home
 
     @property
     def api(self) -> str:
         return f"{self.prefect}/api"
+
+    @property
+    def credentials(self) -> dict:
+        return json.loads((self.home / "serve" / "credentials.json").read_text())
+
+    def settings(self):
+        """Prefect client settings for this stack: its API and its auth string."""
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+        return temporary_settings({PREFECT_API_URL: self.api,
+                                   PREFECT_API_AUTH_STRING: self.credentials[
+                                       "prefect_auth_string"]})  # fmt: skip
 
     def output(self) -> str:
         return self.out.read_text(errors="replace")
@@ -103,7 +122,7 @@ def serve(home: Path, prefect_file: Path) -> Iterator[Served]:
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
         )  # fmt: skip
     served = Served(
-        proc, out, f"http://127.0.0.1:{prefect_port}", f"http://127.0.0.1:{mlflow_port}"
+        proc, out, f"http://127.0.0.1:{prefect_port}", f"http://127.0.0.1:{mlflow_port}", home
     )
     try:
         deadline = time.monotonic() + SERVE_TIMEOUT_S
@@ -121,6 +140,16 @@ def serve(home: Path, prefect_file: Path) -> Iterator[Served]:
                 proc.kill()
 
 
+def status(url: str, method: str = "GET") -> int:
+    request = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def field(page, title: str):
     """The input under a form field's label."""
     label = page.get_by_text(f"{title} (Optional)", exact=True)
@@ -131,40 +160,36 @@ def field_box(page, title: str):
     return page.get_by_text(f"{title} (Optional)", exact=True).locator("xpath=ancestor::div[3]")
 
 
-def flow_runs(api: str, deployment: str) -> list:
+def flow_runs(served: Served, deployment: str) -> list:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+    with served.settings(), get_client(sync_client=True) as client:
         found = client.read_deployment_by_name(deployment)
         return client.read_flow_runs(
             deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[found.id]))
         )
 
 
-def parent_logs(api: str, flow_run_id) -> list[str]:
+def parent_logs(served: Served, flow_run_id) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+    with served.settings(), get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
     return [log.message for log in logs]
 
 
-def save_site(api: str, name: str, root: Path) -> None:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
+def save_site(served: Served, name: str, root: Path) -> None:
     from quantloop.blocks import Site
 
-    with temporary_settings({PREFECT_API_URL: api}):
+    with served.settings():
         Site(name=name, storage_root=str(root)).save(name, overwrite=True)
 
 
 @pytest.mark.slow
 @pytest.mark.server
-def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path):
+def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
     from playwright.sync_api import expect, sync_playwright
 
@@ -172,10 +197,24 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path):
     home, deployments = tmp_path / "home", tiny_deployments(tmp_path / "prefect.yaml")
     with serve(home, deployments) as served:
         first_start = served.output()
-        save_site(served.api, "onprem-test", tmp_path / "onprem")
+        creds = served.credentials
+        # Locked: no answer without the credentials, from either server.
+        assert status(served.api + "/flows/filter", method="POST") == 401
+        assert status(served.mlflow + "/api/2.0/mlflow/experiments/search?max_results=1") == 401
+        save_site(served, "onprem-test", tmp_path / "onprem")
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=browser_path, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            context = browser.new_context(
+                viewport={"width": 1400, "height": 1000},
+                http_credentials={"username": creds["mlflow_user"],
+                                  "password": creds["mlflow_password"]},
+            )  # fmt: skip
+            # What Prefect's login page keeps once the auth string is typed in.
+            context.add_init_script(
+                f"localStorage.setItem('prefect-password', "
+                f"btoa({json.dumps(creds['prefect_auth_string'])}))"
+            )
+            page = context.new_page()
             page.set_default_timeout(60_000)
 
             # The run form, reached as a researcher reaches it.
@@ -214,20 +253,20 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path):
             page.get_by_role("button", name="Submit").click()
 
             deadline = time.monotonic() + 60
-            while not (runs := flow_runs(served.api, "research/desk")):
+            while not (runs := flow_runs(served, "research/desk")):
                 assert time.monotonic() < deadline, "no flow run was created"
                 time.sleep(0.5)
             [run] = runs
             assert run.parameters["params"]["train"]["steps"] == 10
             deadline = time.monotonic() + RUN_TIMEOUT_S
-            while not (run := flow_runs(served.api, "research/desk")[0]).state.is_final():
+            while not (run := flow_runs(served, "research/desk")[0]).state.is_final():
                 assert time.monotonic() < deadline, f"run still {run.state_name}"
                 time.sleep(1)
             assert run.state.is_completed(), (
                 f"{run.state}\n" + (home / "serve/logs/prefect-worker.log").read_text()[-4000:]
             )
             # Stage progress shows on the parent run itself.
-            logs = parent_logs(served.api, run.id)
+            logs = parent_logs(served, run.id)
             for stage in ("data", "features", "train", "simulate"):
                 assert any(m.startswith(f"{stage}: started") for m in logs), (stage, logs)
 
@@ -261,7 +300,9 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path):
     # A second start: the same Prefect database, MLflow store and UI files.
     with serve(home, deployments) as again:
         assert "UI built" in again.output() and "first start" not in again.output()
-        assert flow_runs(again.api, "research/desk")[0].id == run.id
+        assert flow_runs(again, "research/desk")[0].id == run.id
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", again.credentials["mlflow_user"])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", again.credentials["mlflow_password"])
         record = MlflowClient(tracking_uri=again.mlflow).get_run(mlflow_run_id)
         assert record.info.status == "FINISHED" and record.data.params["train.steps"] == "10"
         second_start = again.output()

@@ -57,6 +57,7 @@ def run_nodes(
     site: str = "local",
     progress: Callable[[int, int], None] | None = None,
     priority: int = 0,
+    verify_hits: bool = False,
 ) -> RunResult:
     """Run the nodes of a plan (NODES_SCHEMA) that are not cached; returns the manifest
     of all of them.
@@ -72,6 +73,10 @@ def run_nodes(
       side by side (a flow's shards) given falling priorities end one after the other,
       each next one filling the last one's tail, instead of sharing the workers evenly
       and ending together.
+    verify_hits: re-hash every hit's stored output first (an auditor's setting; it
+      reads every output, which a hit otherwise never does); a hit whose bytes fail
+      their digest or are gone is dropped from the index and recomputed, its reason
+      "corrupt" or "missing".
     """
     t0 = time.perf_counter()
     total = plan.num_rows
@@ -79,6 +84,19 @@ def run_nodes(
     keys = plan["key"].combine_chunks()
     found = store.lookup(kind.name, plan, segments=segments)
     hit = pc.is_valid(found["key"])
+    damaged: dict[str, str] = {}
+    if verify_hits and pc.any(hit).as_py():
+        damaged = check_outputs(found.filter(hit))
+        if damaged:
+            bad = pc.is_in(plan["key"], value_set=pa.array(list(damaged), pa.string()))
+            dropped = plan.filter(bad)
+            for reason in set(damaged.values()):
+                mine = pa.array([k for k, r in damaged.items() if r == reason], pa.string())
+                these = dropped.filter(pc.is_in(dropped["key"], value_set=mine))
+                columns = ["key", "kind", "product", "date", "code", "params"]
+                store.drop(kind.name, these.select(columns).append_column(
+                    "inputs", these["digest"]), reason)  # fmt: skip
+            hit = pc.and_(hit, pc.invert(bad))
     todo, parts, cached = plan, [], 0
     if pc.any(hit).as_py():
         todo, hit_plan = plan.filter(pc.invert(hit)), plan.filter(hit)
@@ -93,7 +111,11 @@ def run_nodes(
     size = batches_run = 0
     if todo.num_rows:
         history = store.rows(kind.name, product_range(plan), HISTORY_COLUMNS, segments=segments)
-        todo = todo.append_column("reason", explain(history, todo))
+        reasons = explain(history, todo)
+        if damaged:  # what re-hashing found says why, not the (unchanged) key
+            why = [damaged.get(k) for k in todo["key"].to_pylist()]
+            reasons = pa.array([w or r for w, r in zip(why, reasons.to_pylist(), strict=True)])
+        todo = todo.append_column("reason", reasons)
         if client is None and connect is not None:
             client = connect()
         # Asked of the scheduler, not read from scheduler_info(): distributed 2026.8's
@@ -149,6 +171,23 @@ def run_nodes(
         batch_size=size,
         batches=batches_run,
     )
+
+
+def check_outputs(rows: pa.Table) -> dict[str, str]:
+    """Re-hash the stored outputs of index rows (HIT_COLUMNS): {key: "corrupt" or
+    "missing"} for those that fail. Each pack file is fetched once."""
+    reader = storage.BlobReader()
+    bad: dict[str, str] = {}
+    for row in rows.to_pylist():
+        blob = storage.Blob(row["output_url"], row["output_offset"], row["output_length"],
+                            row["output_digest"])  # fmt: skip
+        try:
+            reader.read(blob)
+        except FileNotFoundError:
+            bad[row["key"]] = "missing"
+        except (ValueError, OSError) as exc:
+            bad[row["key"]] = "missing" if "No such file" in str(exc) else "corrupt"
+    return bad
 
 
 class _Batches:

@@ -44,7 +44,13 @@ INDEX_SCHEMA = pa.schema(NODE_COLUMNS + KEY_PARTS + OUTPUT_COLUMNS + [("written_
 # What a cache hit's manifest row takes from the index.
 HIT_COLUMNS = ["key"] + [name for name, _ in OUTPUT_COLUMNS]
 # What explains why a node runs, and sizes its batches.
-HISTORY_COLUMNS = ["product", "date", "code", "params", "inputs", "duration_s", "written_at"]
+HISTORY_COLUMNS = ["product", "date", "code", "params", "inputs", "duration_s", "output_url",
+                   "output_length", "written_at"]  # fmt: skip
+
+# A dropped output (its bytes failed their digest, or were gone) is a later index row
+# for its key with this output length and the reason as its URL: lookups take the
+# latest row per key, so the node is no longer a hit, and its next run says why.
+DROPPED = -1
 
 _ALL = ("", "\U0010ffff")  # the product range of a segment named without one (older stores)
 _ROW_GROUP = 1 << 14  # rows per row group of a merged segment: a lookup skips the others
@@ -146,6 +152,7 @@ class NodeStore:
         if rows.num_rows and pc.count_distinct(rows["key"]).as_py() < rows.num_rows:
             rows = self.rows(kind, products, [*HIT_COLUMNS, "written_at"], segments=segments)
             rows = latest_per(rows, ["key"]).drop_columns(["written_at"])
+        rows = rows.filter(pc.not_equal(rows["output_length"], DROPPED))  # dropped: no hit
         return rows.take(pc.index_in(nodes["key"], value_set=rows["key"]))
 
     def existing(self, kind: str, nodes: pa.Table) -> pa.Table:
@@ -153,6 +160,30 @@ class NodeStore:
         if nodes.num_rows == 0:
             return INDEX_SCHEMA.empty_table()
         return committed(self.rows(kind, product_range(nodes)), nodes["key"].combine_chunks())
+
+    def drop(self, kind: str, rows: pa.Table, reason: str) -> None:
+        """Take committed outputs (index rows) out of the cache: their next run
+        recomputes them and records `reason` ("corrupt" or "missing") as why."""
+        if rows.num_rows == 0:
+            return
+        n = rows.num_rows
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
+        tombstones = rows.select([c for c in INDEX_SCHEMA.names if c in rows.column_names])
+        for name, value in (
+            ("output_url", reason),
+            ("output_length", DROPPED),
+            ("output_digest", ""),
+            ("output_offset", 0),
+            ("written_at", now),
+        ):
+            column = pa.array([value] * n, INDEX_SCHEMA.field(name).type)
+            if name in tombstones.column_names:
+                tombstones = tombstones.set_column(
+                    tombstones.column_names.index(name), name, column
+                )
+            else:
+                tombstones = tombstones.append_column(name, column)
+        self.commit(kind, tombstones.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA))
 
     def find(self, kind: str, prefix: str) -> pa.Table:
         """Index rows (the latest per key) whose key starts with `prefix`: one segment
@@ -260,8 +291,10 @@ def _ranges(counts: Mapping[str, int], rows: int) -> list[tuple[str, str]]:
 
 
 def committed(index: pa.Table, keys: pa.Array) -> pa.Table:
-    """The index rows (the latest per key) of those `keys` that are committed."""
-    return latest_per(index.filter(pc.is_in(index["key"], value_set=keys)), ["key"])
+    """The index rows (the latest per key) of those `keys` that are committed (and not
+    dropped since)."""
+    latest = latest_per(index.filter(pc.is_in(index["key"], value_set=keys)), ["key"])
+    return latest.filter(pc.not_equal(latest["output_length"], DROPPED))
 
 
 def latest_per(table: pa.Table, columns: list[str]) -> pa.Table:

@@ -1,0 +1,182 @@
+"""The research flow's parameter: the run form (ResearchParams), in a module that imports
+no flow, no MLflow and no torch, so `quantloop run` checks a run's parameters and data
+before anything slow is loaded (a bad LOBSTER folder is refused in ~2 s, not ~5)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from quantloop.tasks.engine import sha256_json
+from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.form import FeatureForm, HoldoutFraction, ProductFeatures, SimForm, TrainForm
+from quantloop.tasks.landing import read_lobster_folder
+from quantloop.tasks.planning import normalized_overrides, product_params
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.simulation import SimConfig
+from quantloop.tasks.stage import StageParams
+from quantloop.tasks.synthetic import SyntheticConfig
+from quantloop.tasks.train_config import TrainConfig
+from quantloop.tasks.workspace import Selection, Workspace
+
+# The dates a run may name: wide enough for any market data, narrow enough to catch a
+# typo (a start date in 1800 used to be accepted and generated).
+FIRST_DATE, LAST_DATE = dt.date(1970, 1, 1), dt.date(2099, 12, 31)
+
+
+class DataSource(BaseModel):
+    """Where the order books come from: LOBSTER files, or the synthetic generator."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lobster_dir: Annotated[str, Field(title="Folder")] | None = Field(
+        default=None,
+        title="LOBSTER folder",
+        description="Folder (or one file) of LOBSTER zips or message/orderbook CSV pairs, on "
+        "the worker; every file is validated before anything lands. None: synthetic order "
+        "books, as set below.",
+    )
+    products: list[str] = Field(
+        default=["SYNA", "SYNB", "SYNC"],
+        min_length=1,
+        title="Products",
+        description="Synthetic products to generate (at least one; letters, digits, '.', "
+        "'_', '-').",
+    )
+    start_date: dt.date = Field(
+        default=dt.date(2026, 3, 2),
+        ge=FIRST_DATE,
+        le=LAST_DATE,
+        title="First date",
+        description=f"First synthetic trading day ({FIRST_DATE} to {LAST_DATE}).",
+    )
+    n_dates: int = Field(
+        default=4,
+        ge=2,
+        le=10_000,
+        title="Trading days",
+        description="Synthetic trading days per product, weekdays from the first date "
+        "(2 to 10,000).",
+    )
+    synthetic: SyntheticConfig = Field(
+        default=SyntheticConfig(),
+        title="Synthetic generator",
+        description="How the synthetic order books are generated (ignored with a LOBSTER folder).",
+    )
+
+    @field_validator("products")
+    @classmethod
+    def _products(cls, products: list[str]) -> list[str]:
+        for p in products:
+            Partition(p, FIRST_DATE)  # the name rule partitions enforce, with its message
+        duplicated = sorted({p for p in products if products.count(p) > 1})
+        if duplicated:
+            raise ValueError(f"products listed more than once: {duplicated}")
+        return products
+
+
+class ResearchParams(BaseModel):
+    """Everything a research run depends on. Unknown fields are errors, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workspace: Workspace = Field(
+        default=Workspace(),
+        title="Workspace",
+        description="Where the data, node outputs and records live: a site, MLflow tracking "
+        "and a catalog (saved blocks), or the embedded defaults under a home folder.",
+    )
+    data: DataSource = Field(
+        default=DataSource(),
+        title="Data",
+        description="The order books: LOBSTER files, or the synthetic generator.",
+    )
+    features: FeatureForm = Field(
+        default=FeatureParams(),
+        title="Features",
+        description="The feature node's parameters (one node per product and date).",
+    )
+    product_features: ProductFeatures = {}
+    train: TrainForm = Field(
+        default=TrainConfig(),
+        title="Training",
+        description="How the model is trained on the training part of every product.",
+    )
+    simulation: SimForm = Field(
+        default=SimConfig(),
+        title="Simulation",
+        description="How the held-out part is replayed and marked out.",
+    )
+    holdout_fraction: HoldoutFraction = 0.3
+    shard_size: int = Field(
+        default=50_000,
+        ge=1,
+        le=10_000_000,
+        title="Shard size (nodes)",
+        description="Feature nodes per Prefect task (1 to 10,000,000): the UI shows one task "
+        "per shard, never one per node.",
+    )
+    verify_hits: bool = Field(
+        default=False,
+        title="Verify cached outputs",
+        description="Re-hash every cached feature output before using it (for audits: reads "
+        "every output, which a cache hit otherwise never does); a damaged one is recomputed.",
+    )
+
+    @model_validator(mode="after")
+    def _overrides(self) -> ResearchParams:
+        # Checked here, before any server starts: a typo in an override used to surface
+        # 20 s into a run. With LOBSTER data the products are known only once the files
+        # are read (preflight), so only the parameter names are checked here.
+        if self.data.lobster_dir is None:
+            product_params(self.features, self.product_features, self.data.products)
+        self.product_features = normalized_overrides(self.features, self.product_features)
+        return self
+
+    def preflight(self) -> list[str]:
+        """Check the inputs a run will read, before anything starts: the LOBSTER folder
+        is read and validated whole (every file, every row), the per-product overrides
+        are checked against its products, and each training part must be long enough
+        to give training windows. Returns the products. Raises ValueError (or
+        DataValidationError, a ValueError) naming the file, row, column or field."""
+        if self.data.lobster_dir is None:
+            rows = {p: self.data.synthetic.events_per_day for p in self.data.products}
+        else:
+            days = read_lobster_folder(self.data.lobster_dir)
+            rows = {}
+            for day in days:
+                rows[day.product] = max(rows.get(day.product, 0), day.table.num_rows)
+        product_params(self.features, self.product_features, sorted(rows))
+        # An explicit list of optimizations that lacks a switch it requires fails here.
+        # Imported only now: torch costs 1-2 s, and bad data has already been refused.
+        from quantloop.profiling.proof import plan_rungs
+        from quantloop.tasks.training import resolve_device
+
+        plan_rungs(self.train.optimizations, resolve_device(self.train.device))
+        horizon = max(self.features.label_horizons)
+        short = sorted(p for p, n in rows.items() if n <= horizon)
+        if short:
+            raise ValueError(
+                f"too little data to train: {', '.join(short)} "
+                f"{'has' if len(short) == 1 else 'have'} at most "
+                f"{min(rows[p] for p in short):,} events a day, but the longest label "
+                f"horizon is {horizon} events (features.label_horizons); give more events "
+                "per day (data.synthetic.events_per_day) or shorter label horizons"
+            )
+        return sorted(rows)
+
+    def stage(self, selection: Selection) -> StageParams:
+        """What the stage flows take: this run's workspace and features on `selection`."""
+        return StageParams(
+            workspace=self.workspace,
+            selection=selection,
+            features=self.features,
+            product_features=self.product_features,
+            holdout_fraction=self.holdout_fraction,
+        )
+
+    def hash(self) -> str:
+        """Digest of what decides the result (not where it is stored)."""
+        return sha256_json(self.model_dump(mode="json", exclude={"workspace"}))

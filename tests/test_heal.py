@@ -1,0 +1,95 @@
+"""The store heals itself: a damaged stored output is found when it is read (or when
+hits are verified), dropped from the cache and recomputed, never used or counted as a
+hit; `quantloop verify` finds and drops damaged outputs on demand."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from quantloop.cli import app
+from quantloop.flows.research import ResearchParams, research
+from quantloop.tasks.engine import NodeStore
+from quantloop.tasks.workspace import Workspace
+
+TINY = {
+    "data": {"products": ["SYNA"], "n_dates": 3,
+             "synthetic": {"events_per_day": 2_000, "levels": 2}},
+    "train": {"steps": 10, "batch_size": 32, "optimizations": "none"},
+}  # fmt: skip
+
+
+def run(home: Path, **changes):
+    values = {**TINY, "workspace": {"home": str(home)}}
+    for key, value in changes.items():
+        values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) else value
+    return research(ResearchParams.model_validate(values))
+
+
+def outputs(home: Path) -> list[dict]:
+    store = NodeStore(Workspace(home=str(home)).resolve_site().root)
+    return sorted(store.rows("features").to_pylist(), key=lambda r: r["date"])
+
+
+def flip_a_byte(row: dict) -> None:
+    path = Path(row["output_url"])
+    data = bytearray(path.read_bytes())
+    data[row["output_offset"] + row["output_length"] // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_damaged_outputs_are_dropped_and_recomputed_never_used(prefect_api, tmp_path):
+    home = tmp_path / "home"
+    first = run(home)
+    assert first.computed == 3
+    # A corrupted feature output is found when training reads it (another setting makes
+    # the model a miss), dropped and recomputed; the run goes on and says so.
+    flip_a_byte(outputs(home)[0])
+    healed = run(home, train={"steps": 11})
+    assert healed.healed_outputs == 1 and healed.recomputed == {"corrupt": 1}
+    assert healed.computed == 1 and healed.cache_hits == 2
+    # With hits verified, a gone output is found before anything reads it.
+    gone = outputs(home)[-1]
+    Path(gone["output_url"]).unlink()
+    verified = run(home, train={"steps": 11}, verify_hits=True)
+    assert verified.recomputed == {"missing": 1} and verified.cache_hits == 2
+    assert verified.model_cached  # the recomputed node has the same key and digest
+    # A damaged stored model is trained again, not loaded.
+    model = Path(verified.model_url)
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    again = run(home, train={"steps": 11})
+    assert not again.model_cached and again.model_digest == verified.model_digest
+
+
+def test_verify_finds_and_drops_damaged_outputs(prefect_api, tmp_path):
+    from quantloop.tasks.catalog import Catalog
+    from quantloop.tasks.engine import plan_nodes, run_nodes, sha256_json
+    from quantloop.tasks.features import FeatureParams
+    from quantloop.tasks.landing import business_days, land_synthetic
+    from quantloop.tasks.planning import feature_kind
+    from quantloop.tasks.synthetic import SyntheticConfig
+
+    ws = Workspace(home=str(tmp_path / "home"))
+    root, catalog = ws.resolve_site().root, ws.catalog()
+    assert isinstance(catalog, Catalog)
+    land_synthetic(catalog, root, ["SYNA"], business_days(dt.date(2026, 3, 2), 3),
+                   SyntheticConfig(events_per_day=500, levels=1))  # fmt: skip
+    params = FeatureParams().canonical()
+    digest = sha256_json(params)
+    kind = feature_kind()
+    run_nodes(kind, {digest: params}, plan_nodes(kind, catalog.table("synthetic"),
+                                                 {"SYNA": digest}), NodeStore(root))  # fmt: skip
+    flip_a_byte(outputs(tmp_path / "home")[1])
+    runner = CliRunner(env={"COLUMNS": "200"})
+    report = tmp_path / "verify.json"
+    out = runner.invoke(app, ["verify", "--home", ws.home, "--summary-json", str(report)])
+    assert out.exit_code == 1, out.output
+    found = json.loads(report.read_text())
+    assert found["outputs_checked"] == 3 and list(found["outputs_damaged"].values()) == ["corrupt"]
+    out = runner.invoke(app, ["verify", "--home", ws.home])
+    assert out.exit_code == 0 and "2 of 2 outputs checked, 0 damaged" in out.output
