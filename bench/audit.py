@@ -90,9 +90,9 @@ def main() -> None:
                 "reproduction": json.loads(repro.read_text()),
                 "promotion": json.loads(decision.read_text()),
             })  # fmt: skip
+        write(args, runs)  # before the screenshots: a browser failure loses no figures
         if args.screenshots:
             screenshots(uri, runs[0]["mlflow_run_id"])
-    write(args, runs)
 
 
 def screenshots(uri: str, run_id: str) -> None:
@@ -115,9 +115,10 @@ def screenshots(uri: str, run_id: str) -> None:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
         for name, url in pages.items():
-            page.goto(url)
-            page.wait_for_load_state("networkidle")
-            time.sleep(3)  # the run tables render after their data arrives
+            # The MLflow UI polls its API, so the network never goes idle: the page is
+            # taken once its data has had time to arrive and render.
+            page.goto(url, wait_until="load")
+            page.wait_for_timeout(10_000)
             page.screenshot(path=str(docs / f"{name}.png"))
             print(f"docs/{name}.png: {url}", flush=True)
         browser.close()
