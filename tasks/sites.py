@@ -99,3 +99,24 @@ class SiteCounts:
         self.compute_s += compute_s
         self.bytes_across += bytes_across
         self.cost = self.compute_s * cost_per_hour / 3600.0
+
+
+GPU = "GPU"  # the Dask worker resource a GPU host declares (`dask worker --resources GPU=1`)
+
+
+def gpu_client(sites: Sequence[Site], stack: contextlib.ExitStack):
+    """(site, client) of the first site (the default first) that declares GPUs and whose
+    scheduler has a worker with the GPU resource; None when there is none, so training
+    stays in the flow's process. Only sites with a scheduler are asked: a LocalCluster
+    site is this machine, where the flow trains anyway."""
+    for site in sites:
+        if not (site.gpus and site.scheduler_address):
+            continue
+        client = stack.enter_context(site.client())
+        # Asked of the scheduler itself: its workers' declared resources.
+        has = client.run_on_scheduler(
+            lambda dask_scheduler: any(GPU in w.resources for w in dask_scheduler.workers.values())
+        )
+        if has:
+            return site, client
+    return None

@@ -19,18 +19,22 @@ import s3fs
 
 from quantloop.blocks.site import Site, SiteUnreachable
 from quantloop.flows.features import features
+from quantloop.flows.train import train
 from quantloop.tasks import storage
 from quantloop.tasks.engine import NoCopyReachable
 from quantloop.tasks.landing import land_synthetic
 from quantloop.tasks.replicate import replicate
 from quantloop.tasks.stage import StageParams, feature_outputs
 from quantloop.tasks.synthetic import SyntheticConfig
+from quantloop.tasks.training import TrainConfig
 from quantloop.tasks.workspace import Selection, Workspace
 from tests import servers
 
 AT_A, AT_B = ["SYNA", "SYNB"], ["SYNC", "SYND"]
 DATES = [dt.date(2026, 3, 2), dt.date(2026, 3, 3)]
 SYNTHETIC = SyntheticConfig(events_per_day=1500, levels=2)
+TINY = TrainConfig(window=8, stride=2, batch_size=64, steps=10, log_every=5, device="cpu",
+                   optimizations="none")  # fmt: skip
 BATCH_PREFIX = "run_batch_ipc"  # the engine's Dask task (tasks/engine/batch.py)
 
 
@@ -56,6 +60,13 @@ def batches_run(address: str) -> int:
 
     with Client(address, timeout="10s") as client:
         return client.run_on_scheduler(count)
+
+
+def workers_of(address: str) -> set[str]:
+    from distributed import Client
+
+    with Client(address, timeout="10s") as client:
+        return set(client.nthreads())
 
 
 @pytest.fixture
@@ -129,6 +140,13 @@ def test_each_node_runs_at_the_site_holding_its_input(prefect_api, two_sites, tm
     # The stages after features find every output, wherever it was computed.
     found = feature_outputs(stage_of(ws))
     assert len(found) == 8 and all(o.read().num_rows > 0 for o in found.values())
+
+    # Training goes to B, whose worker declares GPU=1, and gives the model a one-site
+    # run trains in its own process.
+    trained = train(stage_of(ws), TINY)
+    gpu_workers = workers_of(ws.sites[0].scheduler_address)
+    assert trained.site == "B" and trained.worker in gpu_workers and not trained.cache_hit
+    assert trained.model_digest == train(stage_of(one), TINY).model_digest
 
 
 @pytest.mark.slow
