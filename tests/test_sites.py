@@ -19,6 +19,7 @@ import s3fs
 
 from quantloop.blocks.site import Site, SiteUnreachable
 from quantloop.flows.features import features
+from quantloop.flows.replicate import replicate as replicate_flow
 from quantloop.flows.train import train
 from quantloop.tasks import storage
 from quantloop.tasks.engine import NoCopyReachable
@@ -163,13 +164,13 @@ def test_an_unreachable_scheduler_fails_naming_the_site_or_uses_a_replica(prefec
     with pytest.raises(NoCopyReachable, match="site 'B'"):
         features(stage_of(broken, on_unreachable="replica"))
 
-    # Replicate B's partitions to A: the copies are verified and recorded, a second
-    # call copies nothing.
+    # Replicate B's partitions to A (the flow): the copies are verified and recorded, a
+    # second call copies nothing.
+    copied = replicate_flow(ws.site, ws, Selection(products=AT_B))
+    assert (copied["copied"], copied["present"]) == (4, 0)
+    assert copied["bytes_copied"] == input_bytes(ws, AT_B)
     catalog = ws.catalog()
     table = Selection(products=AT_B).table(catalog)
-    copied = replicate(catalog, "synthetic", table, site="A", root=ws.site.root)
-    assert (copied.copied, copied.present) == (4, 0)
-    assert copied.bytes_copied == input_bytes(ws, AT_B)
     again = replicate(catalog, "synthetic", table, site="A", root=ws.site.root)
     assert (again.copied, again.present) == (0, 4)
 
