@@ -194,3 +194,31 @@ def test_a_replica_whose_source_bytes_are_bad_is_not_recorded(tmp_path):
         replicate(catalog, "synthetic", catalog.table("synthetic"), site="B",
                   root=str(tmp_path / "b"))  # fmt: skip
     assert set(catalog.copies("synthetic")["site"].to_pylist()) == {"A"}
+
+
+def test_place_picks_the_cheaper_site_holding_the_input_and_reads_across_only_when_told():
+    import pyarrow as pa
+
+    from quantloop.tasks.engine import COPIES_SCHEMA, Policy, SiteCost, place
+
+    inputs = pa.table({"digest": ["d1", "d2", "d3"], "location": ["a/1", "b/2", "x/3"],
+                       "offset": [0, 0, 0], "length": [10, 20, 30]})  # fmt: skip
+    copies = pa.table({"digest": ["d1", "d2", "d2"], "site": ["A", "B", "C"],
+                       "url": ["a/1", "b/2", "c/2"], "offset": [0, 0, 0],
+                       "length": [10, 20, 20]}, schema=COPIES_SCHEMA)  # fmt: skip
+    sites = [SiteCost(name="A", cost_per_hour=2.0), SiteCost(name="B", cost_per_hour=3.0),
+             SiteCost(name="C", cost_per_hour=1.0)]  # fmt: skip
+    by_node = place(inputs, copies, sites, Policy.parse("node", "ABC"))
+    # d2 is at B and C: C is cheaper; d3 is at no site of ours: the default, read across
+    assert by_node["site"].to_pylist() == ["A", "C", "A"]
+    assert by_node["input_site"].to_pylist() == ["A", "C", ""]
+    assert by_node["location"].to_pylist() == ["a/1", "c/2", "x/3"]
+    single = place(inputs, copies, sites, Policy.parse("single:B", "ABC"))
+    assert single["site"].to_pylist() == ["B", "B", "B"]
+    assert single["input_site"].to_pylist() == ["A", "B", ""]
+    down = place(inputs, copies, sites, Policy.parse("node", "ABC"), down={"C"})
+    assert down["site"].to_pylist() == ["A", "B", "A"]
+    with pytest.raises(NoCopyReachable, match="site 'A'"):
+        place(inputs, copies, sites, Policy.parse("node", "ABC"), down={"A"})
+    with pytest.raises(ValueError, match="single:Z"):
+        Policy.parse("single:Z", "ABC")
