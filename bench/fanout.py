@@ -334,22 +334,25 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
                                product_features=product_features or {})  # fmt: skip
 
         @flow(name="fanout-research")
-        def as_stage(product_features) -> tuple:
+        def as_stage(product_features, verify_hits: bool) -> tuple:
             """The features flow as `research` runs it: a stage flow, whose own
             heartbeat thread is off (flows/research.py:stage_heartbeats_off)."""
             with stage_heartbeats_off():
                 t = time.perf_counter()
-                result = features(stage(product_features), parent_run_id=parent, **shard)
+                result = features(stage(product_features), parent_run_id=parent,
+                                  verify_hits=verify_hits, **shard)  # fmt: skip
                 return result, time.perf_counter() - t
 
-        def engine(name: str, product_features=None, *, top_level: bool = False) -> None:
+        def engine(
+            name: str, product_features=None, *, top_level: bool = False, verify: bool = False
+        ) -> None:
             with rss.phase(results, name):
                 if top_level:  # a flow run of its own, with Prefect's default heartbeats
                     t = time.perf_counter()
                     result = features(stage(product_features), parent_run_id=parent, **shard)
                     wall = time.perf_counter() - t
                 else:
-                    result, wall = as_stage(product_features)
+                    result, wall = as_stage(product_features, verify)
             compute_s = result.compute_s
             results[name].update(
                 nodes=result.nodes, wall_s=wall, computed=result.computed,
@@ -385,6 +388,8 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
         forget_outputs()
         engine("a_cold_top_level", top_level=True)
         engine("b_noop")
+        # The auditor's setting: every hit's output re-hashed before it counts.
+        engine("b_noop_verified", verify=True)
         engine("c_one_product", {"P007": {"ofi_window": 12}})
         if args.no_peers:
             mlflow.set_terminated(parent, "FINISHED")
@@ -483,6 +488,8 @@ def report(args, results: dict) -> None:
         "dates": args.dates,
         "cold_s": a["wall_s"],
         "noop_rerun_s": b["wall_s"],
+        "noop_verified_rerun_s": results["b_noop_verified"]["wall_s"],
+        "verify_hits_cost_ratio": results["b_noop_verified"]["wall_s"] / b["wall_s"],
         "one_product_rerun_s": c["wall_s"],
         "one_product_rerun_nodes": c["computed"],
         # What the one-product re-run would take in proportion to its nodes: the no-op's
@@ -527,12 +534,13 @@ PEERS_SKIPPED = (
     "not run: (d)-(f) measure a per-node cost (one Dask or Prefect task per node), which "
     "does not depend on the total; bench/results/fanout.json has them at 10^5 nodes"
 )
-ENGINE_RUNS = ("a_cold", "a_cold_top_level", "b_noop", "c_one_product")
+ENGINE_RUNS = ("a_cold", "a_cold_top_level", "b_noop", "b_noop_verified", "c_one_product")
 PEER_RUNS = ("d_raw_dask", "e_prefect_threads", "f_prefect_dask")
 ROWS = [
     ("(a) engine, cold", "a_cold"),
     ("(a') the same, as a top-level flow run", "a_cold_top_level"),
     ("(b) engine, no-op re-run", "b_noop"),
+    ("(b') the same, verify_hits (every hit re-hashed)", "b_noop_verified"),
     ("(c) engine, one product changed", "c_one_product"),
     ("(d) raw Dask, one task per node", "d_raw_dask"),
     ("(e) Prefect task per node, thread runner", "e_prefect_threads"),
@@ -601,6 +609,14 @@ def markdown(summary: dict) -> str:
         ),
         "",
     ]
+    if "verify_hits_cost_ratio" in summary:
+        lines[-1:-1] = [
+            "",
+            "(b') is (b) with `verify_hits` on: every hit's stored output is read and "
+            f"re-hashed before it counts, {summary['noop_verified_rerun_s']:.2f} s against "
+            f"{summary['noop_rerun_s']:.2f} s "
+            f"({summary['verify_hits_cost_ratio']:.1f}x the plain no-op's wall time).",
+        ]
     return "\n".join(lines)
 
 

@@ -207,6 +207,11 @@ def run(
     except (ValueError, OSError) as exc:
         fail(str(exc), verbose=verbose, exc=exc)
 
+    # Imported after the checks (torch, Prefect and MLflow take seconds to import) but
+    # before the log file's set-up, which quiets the console handler MLflow adds to its
+    # logger on import.
+    from quantloop.flows.research import research
+
     stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
     log_path = Path(research_params.workspace.home_abs) / "logs" / f"run-{stamp}.log"
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
@@ -218,8 +223,6 @@ def run(
         try:
             # A kill -9 of this command ends the temporary Prefect server and the Dask
             # processes with it (tasks/reaper.py).
-            from quantloop.flows.research import research
-
             with reap_on_death():
                 summary = research(research_params)
         except Exception as exc:  # noqa: BLE001 - one line for the user, the rest in the log

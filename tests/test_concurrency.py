@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from quantloop.flows.research import ResearchParams, research
@@ -87,7 +88,7 @@ def _one_of_many(home: str, i: int) -> dict:
     result = run_nodes(plan.kind, plan.params, plan.nodes, NodeStore(root))
     with tracking.run(client, experiment, f"process-{i}") as run:
         run.metrics({"computed": result.computed})
-    return {"keys": plan.nodes["key"].to_pylist(), "failed": result.failed}
+    return {"nodes": plan.nodes.select(["key", "product"]).to_pylist(), "failed": result.failed}
 
 
 @pytest.mark.slow
@@ -101,8 +102,9 @@ def test_eight_processes_at_once_keep_the_shared_stores_whole(tmp_path):
 
     ws = Workspace(home=home)
     store = NodeStore(ws.resolve_site().root)
-    wanted = {k for r in results for k in r["keys"]}
-    found = store.existing("features", sorted(wanted))
+    nodes = pa.Table.from_pylist([n for r in results for n in r["nodes"]])
+    wanted = set(nodes["key"].to_pylist())
+    found = store.existing("features", nodes)
     assert set(found["key"].to_pylist()) == wanted  # every process's nodes are committed
     for row in found.to_pylist():
         assert store.read(row).num_rows == row["rows"]  # and whole (read checks the digest)

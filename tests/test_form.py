@@ -62,6 +62,7 @@ def test_groups_have_human_titles_and_fields_show_their_defaults():
         "simulation": "Simulation",
         "holdout_fraction": "Held-out share",
         "shard_size": "Shard size (nodes)",
+        "verify_hits": "Verify cached outputs",
     }
     # Plain defaults, not default factories: the UI shows a default only when there is one.
     assert all("default" in spec for spec in params.values())

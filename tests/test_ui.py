@@ -175,9 +175,13 @@ def parent_logs(served: Served, flow_run_id) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
+    found = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    messages: list[str] = []
     with served.settings(), get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    return [log.message for log in logs]
+        # The API answers 200 logs at most per call: a run logs more than that.
+        while page := client.read_logs(found, limit=200, offset=len(messages)):
+            messages += [log.message for log in page]
+    return messages
 
 
 def save_site(served: Served, name: str, root: Path) -> None:

@@ -183,6 +183,12 @@ class NodeStore:
                 )
             else:
                 tombstones = tombstones.append_column(name, column)
+        # A caller may know only the node's identity (a plan's rows, not the index's):
+        # what a tombstone does not carry is empty, never read (lookups skip it).
+        for field in INDEX_SCHEMA:
+            if field.name not in tombstones.column_names:
+                empty = "" if pa.types.is_string(field.type) else 0
+                tombstones = tombstones.append_column(field, pa.array([empty] * n, field.type))
         self.commit(kind, tombstones.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA))
 
     def find(self, kind: str, prefix: str) -> pa.Table:
