@@ -173,7 +173,7 @@ def report(result: dict, args: argparse.Namespace) -> None:
     )
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "placement.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
         f"Machine: {result['machine']}; {result['date']}; commit {result['commit']}.",
         f"Link: {result['link']}; measured {result['measured_link_mbit']:.1f} Mbit/s "
@@ -192,7 +192,7 @@ def report(result: dict, args: argparse.Namespace) -> None:
             f"{p['reproduction_failures']} / {p['reproduced_nodes']} |"
         )
     lines += ["", f"Outputs identical under both policies: {result['outputs_identical']}."]
-    (out / "placement.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -316,6 +316,7 @@ def main() -> None:
     parser.add_argument("--link-mbit", type=float, default=100.0)
     parser.add_argument("--events", type=int, default=400_000, help="events per partition")
     parser.add_argument("--dates", type=int, default=4, help="dates per product")
+    parser.add_argument("--name", default="placement", help="results file stem in bench/results")
     parser.add_argument("--keep", action="store_true", help="keep the work folder and logs")
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--role", default="outer", help=argparse.SUPPRESS)
