@@ -16,6 +16,10 @@ from pydantic import Field, model_validator
 WORKER_PRELOAD = ("quantloop.tasks.engine.batch", "quantloop.tasks.features")
 
 
+class SiteUnreachable(ConnectionError):
+    """A site's Dask scheduler did not answer; the message names the site and address."""
+
+
 class Site(Block):
     """A place that runs work: a Dask cluster (or a local one) and its storage root.
 
@@ -52,7 +56,15 @@ class Site(Block):
     )
     gpus: int = Field(default=0, ge=0, description="GPUs available to training on this site.")
     cost_per_hour: float = Field(
-        default=0.0, ge=0, description="Cost of the site's compute per hour, for placement reports."
+        default=0.0,
+        ge=0,
+        description="Cost of the site's compute per hour: placement prefers the cheaper of two "
+        "sites holding a node's input, and runs report seconds x this per site.",
+    )
+    connect_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds to wait for the scheduler before the run fails naming this site.",
     )
 
     @model_validator(mode="after")
@@ -72,6 +84,11 @@ class Site(Block):
             return self.storage_root.rstrip("/")
         return os.path.abspath(self.storage_root)
 
+    def holds(self, url: str) -> bool:
+        """Whether `url` lies under this site's storage root."""
+        root = self.root
+        return url == root or url.startswith(root + "/")
+
     @contextlib.contextmanager
     def client(self) -> Iterator[object]:
         """A `distributed.Client` to the site's cluster, closed on exit.
@@ -83,7 +100,13 @@ class Site(Block):
         from distributed import Client, LocalCluster
 
         if self.scheduler_address:
-            client = Client(self.scheduler_address, timeout="30s")
+            try:
+                client = Client(self.scheduler_address, timeout=f"{self.connect_timeout_s}s")
+            except (OSError, TimeoutError) as exc:
+                raise SiteUnreachable(
+                    f"site {self.name!r}: its Dask scheduler {self.scheduler_address} did not "
+                    f"answer within {self.connect_timeout_s:g} s ({type(exc).__name__}: {exc})"
+                ) from exc
             try:
                 yield client
             finally:

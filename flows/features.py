@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import asdict
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -25,17 +25,18 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
-from quantloop.blocks.site import Site
 from quantloop.tasks import progress, storage, tracking
 from quantloop.tasks.engine import (
     NodeKind,
     NodeStore,
+    Policy,
     RunRecords,
     RunSummary,
     plan_nodes,
     run_nodes,
 )
 from quantloop.tasks.planning import feature_kind, param_digests, product_params, shards
+from quantloop.tasks.sites import SiteClient, SiteCounts, place_selection, unreachable
 from quantloop.tasks.stage import StageParams
 from quantloop.tasks.summary import NODE_COLUMNS, csv_bytes, node_summary
 from quantloop.tasks.workspace import Workspace
@@ -50,22 +51,6 @@ SHARDS_IN_FLIGHT = 2
 
 class NodeFailures(RuntimeError):
     """Some nodes failed; their partitions and errors are listed, the rest are cached."""
-
-
-class SiteClient:
-    """The site's Dask client, started (or connected to) by the first shard that has a
-    node to run: a run whose nodes are all cached starts no cluster."""
-
-    def __init__(self, site: Site, stack: contextlib.ExitStack):
-        self._site, self._stack = site, stack
-        self._lock = threading.Lock()
-        self._client = None
-
-    def __call__(self):
-        with self._lock:
-            if self._client is None:
-                self._client = self._stack.enter_context(self._site.client())
-            return self._client
 
 
 @task(name="feature-shard", cache_policy=NO_CACHE)
@@ -105,6 +90,8 @@ def feature_shard(
     # Planned here, not in the flow: a task's arguments stay referenced until the
     # flow ends, and a slice of the catalog table costs nothing to hold.
     nodes = plan_nodes(kind, entries, params_of)
+    if "input_site" in entries.column_names:  # placed: where each input copy is read from
+        nodes = nodes.append_column("input_site", entries["input_site"])
     store = NodeStore(store_root)
     result = run_nodes(kind, params, nodes, store, connect=connect, site=site, progress=report,
                        priority=-shard, verify_hits=verify_hits)  # fmt: skip
@@ -170,31 +157,62 @@ def features(
     per_product = product_params(
         stage.features, stage.product_features, pc.unique(entries["product"]).to_pylist()
     )
-    site = workspace.resolve_site()
-    logger.info("%d feature nodes on site %s (%s)", entries.num_rows, site.name, site.root)
+    sites = workspace.resolve_sites()
+    site = sites[0]  # the default: the run's records and parameters live there
+    by_name = {s.name: s for s in sites}
+    policy = Policy.parse(workspace.placement, list(by_name))
     params_of, by_digest = param_digests(per_product)
-    save_params(site.root, by_digest)
     records = RunRecords(manifest_url(site.root, kind.name))
     summary = RunSummary()
+    counts = {s.name: SiteCounts() for s in sites}
     with contextlib.ExitStack() as stack:
-        connect = SiteClient(site, stack)
+        clients = {s.name: SiteClient(s, stack) for s in sites}
+        down = unreachable(sites, clients) if workspace.on_unreachable == "replica" else []
+        for name in down:
+            logger.warning("site %s: its scheduler is unreachable; its nodes are re-placed "
+                           "at sites holding copies of their inputs", name)  # fmt: skip
+        placed = place_selection(entries, workspace.catalog(), stage.selection.dataset,
+                                 sites, policy, down=down)  # fmt: skip
+        groups = [(s, placed.filter(pc.equal(placed["site"], s.name))) for s in sites]
+        groups = [(s, rows) for s, rows in groups if rows.num_rows]
+        logger.info("%d feature nodes, placement %s: %s", entries.num_rows, policy,
+                    ", ".join(f"{rows.num_rows} on site {s.name} ({s.root})"
+                              for s, rows in groups))  # fmt: skip
+        for root in dict.fromkeys([site.root, *(s.root for s, _ in groups)]):
+            save_params(root, by_digest)
+        # Shards of every site, taken in turn, run side by side: each site's client gets
+        # its own shards while the others work on theirs.
+        queue = [(s, i, part) for s, rows in groups
+                 for i, part in enumerate(shards(rows, shard_size))]  # fmt: skip
+        queue.sort(key=lambda item: item[1])
         running: deque = deque()
-        # Shards are submitted one after the other and run side by side, a few at a
-        # time: the cluster sees the next shard's batches while one ends.
-        for i, shard_entries in enumerate(shards(entries, shard_size)):
+        in_flight = SHARDS_IN_FLIGHT * max(1, len(groups))
+        number = 0
+
+        def collect() -> None:
+            s, shard = running.popleft()
+            result = shard.result()
+            summary.add(result)
+            counts[s.name].add(result.nodes, result.computed, result.compute_s,
+                               result.bytes_across, s.cost_per_hour)  # fmt: skip
+
+        for s, _, shard_entries in queue:
             # quote(): Prefect would otherwise walk every argument looking for task
             # dependencies (seconds per 10,000 nodes).
-            running.append(
-                feature_shard.submit(
-                    quote(kind), quote(by_digest), quote(params_of), quote(shard_entries),
-                    site.root, site.name, quote(connect), i, quote(records), verify_hits,
-                )
-            )  # fmt: skip
-            while len(running) >= SHARDS_IN_FLIGHT:
-                summary.add(running.popleft().result())
+            running.append((s, feature_shard.submit(
+                quote(kind), quote(by_digest), quote(params_of), quote(shard_entries),
+                s.root, s.name, quote(clients[s.name]), number, quote(records), verify_hits,
+            )))  # fmt: skip
+            number += 1
+            while len(running) >= in_flight:
+                collect()
         while running:
-            summary.add(running.popleft().result())
-    NodeStore(site.root).compact(kind.name)
+            collect()
+    for s, _ in groups:
+        if counts[s.name].computed:
+            NodeStore(s.root).compact(kind.name)
+    summary.sites = {name: asdict(c) for name, c in counts.items() if c.nodes}
+    summary.placement = str(policy)
     summary.wall_s = time.perf_counter() - t0  # planning included; shards overlap
     summary.manifest_url = records.url
     line = (
@@ -235,7 +253,15 @@ def record(
     artifacts (copied one file at a time), no per-node call."""
     client, experiment = tracking.client_for(workspace.resolve_tracking())
     with tracking.run(client, experiment, "features", parent=parent_run_id) as run:
-        run.params({"node_kind": kind.name, "code_fingerprint": kind.code, "site": site})
+        run.params(
+            {
+                "node_kind": kind.name,
+                "code_fingerprint": kind.code,
+                "site": site,
+                "placement": summary.placement,
+                "sites": ",".join(summary.sites),
+            }
+        )
         run.params({"params_hashes": ",".join(sorted(params))})
         run.tags({"site": site, tracking.MANIFEST_TAG: records.url})
         run.metrics(
@@ -250,6 +276,7 @@ def record(
                 "output_rows": summary.output_rows,
                 "output_bytes": summary.output_bytes,
                 **{f"recomputed.{k}": v for k, v in summary.reasons.items()},
+                **placement_metrics(summary),
             }
         )
         for url in records.parts():
@@ -267,6 +294,16 @@ def record(
         if failed.num_rows:
             run.file(csv_bytes(failed), "failed_nodes.csv", "manifest")
         return run.run_id
+
+
+def placement_metrics(summary: RunSummary) -> dict[str, float]:
+    """What crossed sites and what each site's compute cost, as MLflow metrics."""
+    metrics = {"bytes_across_sites": summary.bytes_across,
+               "cost": sum(c["cost"] for c in summary.sites.values())}  # fmt: skip
+    for name, c in summary.sites.items():
+        for field in ("nodes", "computed", "compute_s", "bytes_across", "cost"):
+            metrics[f"site.{name}.{field}"] = c[field]
+    return metrics
 
 
 MANIFEST_ARTIFACTS = "manifest/features_manifest"  # the run's manifest parts in MLflow

@@ -20,6 +20,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from quantloop.flows.features import features as features_flow
+from quantloop.flows.features import placement_metrics
 from quantloop.flows.params import DataSource, ResearchParams  # noqa: F401 - the form
 from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
@@ -28,7 +29,7 @@ from quantloop.tasks.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.planning import product_params
 from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.stage import DamagedOutputs
-from quantloop.tasks.summary import ResearchSummary, markout_table, product_table
+from quantloop.tasks.summary import ResearchSummary, markout_table, product_table, site_table
 from quantloop.tasks.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
 from quantloop.tasks.workspace import Selection
 
@@ -165,6 +166,8 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     tags = {
         "prefect_flow_run_id": flow_run.id or "",
         "site": site.name,
+        "sites": ",".join(s.name for s in ws.resolve_sites()),
+        "placement": ws.placement,
         "code_digest": code_digest(),
         "git_commit": git_commit(),
         "params_hash": params.hash(),
@@ -210,7 +213,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                        source=storage.join(site.root, "datasets", selection.dataset),
                        rows=partitions)  # fmt: skip
         with stage_heartbeats_off():
-            feedback.start("features", f"{partitions:,} nodes on site {site.name}")
+            feedback.start("features", f"{partitions:,} nodes, placement {ws.placement}")
             feats = features_flow(stage, shard_size=params.shard_size,
                                   parent_run_id=parent.run_id,
                                   verify_hits=params.verify_hits)  # fmt: skip
@@ -248,6 +251,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 "trades": sim.trades,
                 **{f"markout_bps.{h}": v for h, v in sim.markout_bps.items()},
                 **{f"baseline_markout_bps.{h}": v for h, v in sim.baseline_markout_bps.items()},
+                **placement_metrics(feats),
             }
         )
         run_id = parent.run_id
@@ -293,6 +297,10 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         train_ladder_result=trained.ladder_result,
         inference_mode=sim.inference_mode,
         inference_samples_per_s=sim.inference_samples_per_s,
+        placement=feats.placement,
+        bytes_across_sites=feats.bytes_across,
+        cost=sum(c["cost"] for c in feats.sites.values()),
+        sites=feats.sites,
     )
     links = {
         name: mlflow_link(tracking_block, experiment, rid)
@@ -318,6 +326,12 @@ def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
             "",
             "## Mark-out (bps, held-out data)",
             markout_table(summary).markdown(),
+            "",
+            "## Sites",
+            f"Placement `{summary.placement}`: {summary.bytes_across_sites:,} input bytes "
+            f"read across sites, compute cost {summary.cost:.6f}.",
+            "",
+            site_table(summary).markdown(),
             "",
             "## Per product",
             product_table(summary).markdown(),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 from dataclasses import asdict
 
+import torch
 from mlflow.entities.model_registry import ModelVersion
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
@@ -19,6 +21,7 @@ from quantloop.tasks.engine import code_fingerprint, sha256_json
 from quantloop.tasks.form import TrainForm
 from quantloop.tasks.provenance import code_digest
 from quantloop.tasks.schema import Partition
+from quantloop.tasks.sites import GPU, gpu_client
 from quantloop.tasks.stage import (
     FeatureOutput,
     Keyed,
@@ -58,6 +61,8 @@ class TrainSummary(BaseModel):
     gpu_util: float | None = None
     peak_mem_gb: float | None = None
     ladder_result: dict | None = None  # the ladder result the rungs relied on
+    site: str = ""  # the site training ran at (a cached model: where this run found it)
+    worker: str = ""  # the Dask worker that trained it ("": the flow's process, or cached)
 
 
 def model_key(
@@ -65,10 +70,12 @@ def model_key(
     feature_keys: list[str],
     holdout_fraction: float,
     rungs: tuple[str, ...] = (),
+    device: str | None = None,
 ) -> str:
     """What decides the weights: training code, config, device type, features, the split,
     and the rungs applied (not how they were asked for: "auto" and the same list named
-    explicitly train the same model)."""
+    explicitly train the same model). device: the device type where training runs, when
+    that is not this process (a GPU site's worker)."""
     code = code_fingerprint(training, orderbook)
     if rungs:
         code += code_fingerprint(*trainer.RUNG_CODE)
@@ -77,7 +84,7 @@ def model_key(
         "model",
         code=code,
         config=config_values,
-        device=resolve_device(config.device).type,
+        device=device or resolve_device(config.device).type,
         features=sorted(feature_keys),
         holdout_fraction=holdout_fraction,
         rungs=list(rungs),
@@ -90,8 +97,30 @@ def ladder_results(stage: StageParams) -> list[str]:
     return [os.path.join(stage.workspace.home_abs, "ladder", "ladder.json")]
 
 
-def plan_for(stage: StageParams, config: TrainConfig) -> Plan:
-    return plan_rungs(config.optimizations, resolve_device(config.device), ladder_results(stage))
+def plan_for(stage: StageParams, config: TrainConfig, device: str | None = None) -> Plan:
+    where = torch.device(device) if device else resolve_device(config.device)
+    return plan_rungs(config.optimizations, where, ladder_results(stage))
+
+
+def device_type(name: str) -> str:
+    """The device type `name` resolves to where this runs (on a GPU site's worker)."""
+    return resolve_device(name).type
+
+
+def fit(stage: StageParams, config: TrainConfig, plan: Plan,
+        outputs: dict[Partition, FeatureOutput]) -> tuple[TrainResult, str]:  # fmt: skip
+    """Read the feature outputs and train; returns the result and where it ran (the Dask
+    worker's address, or "" in the flow's process)."""
+    try:
+        from distributed import get_worker
+
+        where = get_worker().address
+    except ValueError:  # not in a Dask worker
+        where = ""
+    tables = read_outputs(stage, outputs)
+    return trainer.train_on_features(
+        tables, stage.features, stage.holdout_fraction, config, plan
+    ), where
 
 
 @flow(name="train")
@@ -112,15 +141,30 @@ def train(
     logger = get_run_logger()
     outputs = feature_outputs(stage)
     site = stage.workspace.resolve_site()
-    plan = plan_for(stage, config)
-    key = model_key(config, [o.key for o in outputs.values()], stage.holdout_fraction, plan.rungs)
+    with contextlib.ExitStack() as stack:
+        return _train(stage, config, parent_run_id, outputs, site, stack, logger)
+
+
+def _train(stage, config, parent_run_id, outputs, site, stack, logger) -> TrainSummary:
+    # Training goes to a site whose Dask workers declare a GPU, when there is one;
+    # otherwise it runs here, in the flow's process.
+    gpu = gpu_client(stage.workspace.resolve_sites(), stack)
+    device = gpu[1].submit(device_type, config.device, resources={GPU: 1},
+                           pure=False).result() if gpu else None  # fmt: skip
+    plan = plan_for(stage, config, device)
+    key = model_key(config, [o.key for o in outputs.values()], stage.holdout_fraction, plan.rungs,
+                    device)  # fmt: skip
     logger.info("training optimizations: %s", plan.record())
+    ran_at = {"site": gpu[0].name if gpu else site.name, "worker": ""}
 
     def fit_now() -> TrainResult:
-        tables = read_outputs(stage, outputs)
-        return trainer.train_on_features(
-            tables, stage.features, stage.holdout_fraction, config, plan
-        )
+        if gpu is None:
+            result, _ = fit(stage, config, plan, outputs)
+            return result
+        logger.info("training on site %s (a worker with the GPU resource)", gpu[0].name)
+        done = gpu[1].submit(fit, stage, config, plan, outputs, resources={GPU: 1}, pure=False)
+        result, ran_at["worker"] = done.result()
+        return result
 
     # load checks the weights against their stored digest
     model = keyed_output(site.root, "model", key, ".pt", load=load_model, compute=fit_now,
@@ -142,7 +186,8 @@ def train(
     progress.note("train", message)
     run_id = version = None
     if parent_run_id is not None:
-        run_id, version = _record(stage, parent_run_id, config, outputs, model, site.name, plan)
+        run_id, version = _record(stage, parent_run_id, config, outputs, model, ran_at["site"],
+                                  plan)  # fmt: skip
     return TrainSummary(
         model_url=model.url,
         model_key=key,
@@ -163,6 +208,8 @@ def train(
         gpu_util=result.gpu_util,
         peak_mem_gb=result.peak_mem_gb,
         ladder_result=result.ladder_result,
+        site=ran_at["site"],
+        worker=ran_at["worker"],
     )
 
 

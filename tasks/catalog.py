@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from quantloop.tasks import storage
-from quantloop.tasks.engine import sha256_json
+from quantloop.tasks.engine import COPIES_SCHEMA, sha256_json
 from quantloop.tasks.schema import Partition, levels_of
 
 _SCHEMA = """
@@ -68,6 +68,20 @@ CREATE TABLE IF NOT EXISTS history (
     PRIMARY KEY (dataset, product, date, digest)
 );
 CREATE INDEX IF NOT EXISTS history_digest ON history (digest);
+-- Copies of a version at other sites (replicate): the same digest, another location.
+-- The site a version landed at is its history row's; a placement reads both.
+CREATE TABLE IF NOT EXISTS replicas (
+    dataset TEXT NOT NULL,
+    product TEXT NOT NULL,
+    date TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    site TEXT NOT NULL,
+    location TEXT NOT NULL,
+    offset INTEGER NOT NULL,
+    length INTEGER NOT NULL,
+    copied_at TEXT NOT NULL,
+    PRIMARY KEY (digest, site)
+);
 """
 
 
@@ -238,6 +252,34 @@ class Catalog:
             )
         except OSError:
             return False
+
+    # ---------------------------------------------------------------- copies at sites
+
+    def copies(self, dataset: str) -> pa.Table:
+        """Every copy of every version of a dataset's partitions (COPIES_SCHEMA: digest,
+        site, url, offset, length): where it landed, and each replica."""
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT digest, site, location, offset, length FROM history WHERE dataset = ?"
+                " UNION SELECT digest, site, location, offset, length FROM partitions"
+                " WHERE dataset = ?"
+                " UNION SELECT digest, site, location, offset, length FROM replicas"
+                " WHERE dataset = ? ORDER BY 1, 2",
+                (dataset, dataset, dataset),
+            ).fetchall()
+        columns = list(zip(*rows, strict=True)) if rows else [[] for _ in COPIES_SCHEMA]
+        return pa.table([pa.array(c, f.type) for c, f in zip(columns, COPIES_SCHEMA, strict=True)],
+                        schema=COPIES_SCHEMA)  # fmt: skip
+
+    def add_copy(self, dataset: str, partition: Partition, blob: storage.Blob, site: str) -> None:
+        """Record a verified copy of a version at another site (after its bytes are whole)."""
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        with self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO replicas VALUES (?,?,?,?,?,?,?,?,?)",
+                (dataset, partition.product, partition.date.isoformat(), blob.digest, site,
+                 blob.url, blob.offset, blob.length, now),
+            )  # fmt: skip
 
     # ---------------------------------------------------------------- pinned versions
 

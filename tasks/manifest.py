@@ -79,11 +79,20 @@ def query(
             need = limit - sum(t.num_rows for t in shown)
             if need <= 0:
                 break
-            table = storage.read_parquet(part).cast(MANIFEST_SCHEMA)
+            table = conform(storage.read_parquet(part))
             rows = table.filter(select(table, **filters)).slice(0, need)
             shown.append(rows.append_column("run", pa.array([name] * rows.num_rows, pa.string())))
     rows = pa.concat_tables(shown) if shown else RECORDS_SCHEMA.empty_table()
     return NodeQuery(rows, total, matched, hits, failed)
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """A manifest part as MANIFEST_SCHEMA: parts written before sites were placed lack
+    the placement columns (null there: not known)."""
+    n = table.num_rows
+    columns = {f.name: table[f.name] if f.name in table.column_names else pa.nulls(n, f.type)
+               for f in MANIFEST_SCHEMA}  # fmt: skip
+    return pa.table(columns).cast(MANIFEST_SCHEMA)
 
 
 def select(

@@ -128,13 +128,13 @@ def read_outputs(
             damaged[out.key], labels[out.key] = why, str(part)
     if damaged:
         plan = plan_features(stage)
-        store = NodeStore(stage.workspace.resolve_site().root)
-        for reason in set(damaged.values()):
-            keys = pa.array([k for k, r in damaged.items() if r == reason], pa.string())
-            rows = plan.nodes.filter(pc.is_in(plan.nodes["key"], value_set=keys))
-            store.drop(plan.kind.name, rows.select(["key", "kind", "product", "date", "code",
-                                                    "params"]).append_column(
-                "inputs", rows["digest"]), reason)  # fmt: skip
+        for store in site_stores(stage.workspace):  # wherever the key is indexed
+            for reason in set(damaged.values()):
+                keys = pa.array([k for k, r in damaged.items() if r == reason], pa.string())
+                rows = plan.nodes.filter(pc.is_in(plan.nodes["key"], value_set=keys))
+                store.drop(plan.kind.name, rows.select(["key", "kind", "product", "date", "code",
+                                                        "params"]).append_column(
+                    "inputs", rows["digest"]), reason)  # fmt: skip
         raise DamagedOutputs(damaged, labels)
     return tables
 
@@ -142,9 +142,13 @@ def read_outputs(
 def feature_outputs(stage: StageParams) -> dict[Partition, FeatureOutput]:
     """Where each selected partition's features are stored; fails if any is missing."""
     plan = plan_features(stage)
-    store = NodeStore(stage.workspace.resolve_site().root)
-    found = store.existing(plan.kind.name, plan.nodes)
-    rows = {r["key"]: r for r in found.to_pylist()}
+    rows: dict[str, dict] = {}
+    for store in site_stores(stage.workspace):  # each node's output is where it ran
+        todo = plan.nodes.filter(
+            pc.invert(pc.is_in(plan.nodes["key"], value_set=pa.array(list(rows), pa.string())))
+        )
+        if todo.num_rows:
+            rows |= {r["key"]: r for r in store.existing(plan.kind.name, todo).to_pylist()}
     out, missing = {}, []
     for key, product, date in zip(
         *(plan.nodes[c].to_pylist() for c in ("key", "product", "date")), strict=True
@@ -160,6 +164,11 @@ def feature_outputs(stage: StageParams) -> dict[Partition, FeatureOutput]:
             "run the features flow on this selection first"
         )
     return out
+
+
+def site_stores(workspace: Workspace) -> list[NodeStore]:
+    """The node store of every site of the workspace, the default site's first."""
+    return [NodeStore(site.root) for site in workspace.resolve_sites()]
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,18 @@ class ResearchSummary(BaseModel):
     inference_samples_per_s: float | None = Field(
         default=None, description="Windows simulate predicted per second (None when cached)."
     )
+    placement: str = Field(default="node", description="How feature nodes were placed.")
+    bytes_across_sites: int = Field(
+        default=0, description="Input bytes feature nodes read from a site other than their own."
+    )
+    cost: float = Field(
+        default=0.0, description="Feature compute seconds x each site's cost_per_hour / 3600."
+    )
+    sites: dict[str, dict] = Field(
+        default_factory=dict,
+        description="Per site: nodes, computed, compute_s, bytes_across, cost; and where "
+        "training ran (train_worker).",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +135,15 @@ def markout_table(summary: ResearchSummary) -> TextTable:
     ])  # fmt: skip
     columns, numeric = _columns(["signal"], horizons)
     return TextTable("Mark-out on held-out data (bps)", columns, rows, numeric)
+
+
+def site_table(summary: ResearchSummary) -> TextTable:
+    """Where the feature nodes ran: per site, what ran, what crossed and what it cost."""
+    rows = [[name, f"{c['nodes']:,}", f"{c['computed']:,}", f"{c['compute_s']:.2f}",
+             f"{c['bytes_across']:,}", f"{c['cost']:.6f}"]
+            for name, c in summary.sites.items()]  # fmt: skip
+    columns = ["site", "nodes", "computed", "compute s", "bytes across", "cost"]
+    return TextTable(f"placement {summary.placement}", columns, rows, [False] + [True] * 5)
 
 
 def product_table(summary: ResearchSummary) -> TextTable:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quantloop.blocks.catalog import DataCatalog
 from quantloop.blocks.site import Site
@@ -52,6 +52,26 @@ class Workspace(BaseModel):
         "(pick one, or give its name). None: a Dask LocalCluster on the worker, storage "
         "under the home folder.",
     )
+    sites: list[Site | BlockName] = Field(
+        default_factory=list,
+        title="More sites",
+        description="Other sites the run may place nodes at, beside the site above (the "
+        "default): saved quantloop Site blocks or their names. Each feature node runs at a "
+        "site holding its input.",
+    )
+    placement: str = Field(
+        default="node",
+        title="Placement",
+        description="'node': each feature node runs at the site holding its input (the "
+        "cheaper per hour of several). 'single:<site>': every node at that site, inputs "
+        "read across sites.",
+    )
+    on_unreachable: Literal["fail", "replica"] = Field(
+        default="fail",
+        title="When a site's scheduler is unreachable",
+        description="'fail': the run fails naming the site. 'replica': its nodes run at "
+        "another site holding a copy of their inputs (fails naming the site if none does).",
+    )
     n_workers: int = Field(
         default=2,
         ge=1,
@@ -84,6 +104,14 @@ class Workspace(BaseModel):
         description="MLflow experiment of the runs without a tracking block.",
     )
 
+    @model_validator(mode="after")
+    def _check_placement(self) -> Workspace:
+        if self.placement != "node" and not self.placement.startswith("single:"):
+            raise ValueError(
+                f"placement {self.placement!r}: must be 'node' or 'single:<site name>'"
+            )
+        return self
+
     @property
     def home_abs(self) -> str:
         return os.path.abspath(os.path.expanduser(self.home))
@@ -98,6 +126,17 @@ class Workspace(BaseModel):
             storage_root=os.path.join(self.home_abs, "store"),
             n_workers=self.n_workers,
         )
+
+    def resolve_sites(self) -> list[Site]:
+        """Every site of the workspace, the default (`site`) first; names are unique."""
+        found = [self.resolve_site()]
+        for site in self.sites:
+            found.append(site if isinstance(site, Site) else Site.load(site))
+        names = [s.name for s in found]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"workspace sites: the site name(s) {twice} are given twice")
+        return found
 
     def resolve_tracking(self) -> MlflowTracking:
         if isinstance(self.tracking, MlflowTracking):

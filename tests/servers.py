@@ -283,3 +283,45 @@ class FlakyProxy:
     def __exit__(self, *exc) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+@contextlib.contextmanager
+def dask_site(
+    folder: Path, *, workers: int = 1, resources: str | None = None,
+    env: dict[str, str] | None = None, timeout: float = 60,
+) -> Iterator[str]:  # fmt: skip
+    """A site's own Dask cluster as an operator runs it: `dask scheduler` and `dask worker`
+    processes on loopback (the worker declaring `resources`, e.g. "GPU=1"); yields the
+    scheduler's address once its workers have joined. Logs: folder/dask-*.log."""
+    from distributed import Client
+
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    run_env = {**os.environ, **(env or {})}
+    logs = [open(folder / f"dask-{role}.log", "ab") for role in ("scheduler", "worker")]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port", str(port),
+         "--no-dashboard"],
+        stdout=logs[0], stderr=subprocess.STDOUT, env=run_env,
+    )]  # fmt: skip
+    try:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "dask", "worker", address, "--nworkers", str(workers),
+             "--nthreads", "1", "--memory-limit", "0", "--no-dashboard",
+             "--local-directory", str(folder / "worker"),
+             *(["--resources", resources] if resources else []),
+             "--preload", "quantloop.tasks.engine.batch", "--preload", "quantloop.tasks.features"],
+            stdout=logs[1], stderr=subprocess.STDOUT, env=run_env,
+        ))  # fmt: skip
+        client = Client(address, timeout=f"{timeout}s")
+        try:
+            client.wait_for_workers(workers, timeout=timeout)
+        finally:
+            client.close()
+        yield address
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+        for log in logs:
+            log.close()

@@ -19,12 +19,14 @@ case "$2" in
     # One process per core, one thread each: feature nodes are NumPy-heavy Python
     # and hold the GIL, so threads would only queue behind each other. The preload
     # imports the node code as a worker starts (blocks/site.py WORKER_PRELOAD), not
-    # in the middle of a run's first batch.
+    # in the middle of a run's first batch. RESOURCES (e.g. GPU=1) is what a GPU host
+    # declares: training goes to a worker that has it (flows/train.py).
     exec "$dask" worker "tcp://$SCHEDULER_HOST:$SCHEDULER_PORT" \
       --name "$SITE-$(hostname -s)" \
       --nworkers "$NWORKERS" --nthreads 1 --memory-limit "$MEMORY_LIMIT" \
       --local-directory "$LOCAL_DIR" \
-      --preload quantloop.tasks.engine.batch --preload quantloop.tasks.features
+      --preload quantloop.tasks.engine.batch --preload quantloop.tasks.features \
+      ${RESOURCES:+--resources "$RESOURCES"}
     ;;
   *)
     echo "unknown role $2 (scheduler or worker)" >&2

@@ -6,6 +6,7 @@ segments and manifest rows out. Planning from a catalog lives in quantloop.tasks
 
 from quantloop.tasks.engine.driver import RunResult, run_nodes
 from quantloop.tasks.engine.keys import code_fingerprint, node_keys, sha256_json
+from quantloop.tasks.engine.placement import COPIES_SCHEMA, NoCopyReachable, Policy, SiteCost, place
 from quantloop.tasks.engine.plan import NODES_SCHEMA, NodeKind, plan_nodes
 from quantloop.tasks.engine.records import (
     MANIFEST_SCHEMA,
@@ -16,7 +17,7 @@ from quantloop.tasks.engine.records import (
 )
 from quantloop.tasks.engine.store import INDEX_SCHEMA, NodeStore, output_blob
 
-__all__ = ["INDEX_SCHEMA", "MANIFEST_SCHEMA", "NODES_SCHEMA", "NodeKind", "NodeStore",
-           "RunRecords", "RunResult", "RunSummary", "code_fingerprint", "node_keys",
-           "output_blob", "plan_nodes", "recorded_runs", "run_nodes", "run_parts",
-           "sha256_json"]  # fmt: skip
+__all__ = ["COPIES_SCHEMA", "INDEX_SCHEMA", "MANIFEST_SCHEMA", "NODES_SCHEMA", "NoCopyReachable",
+           "NodeKind", "NodeStore", "Policy", "RunRecords", "RunResult", "RunSummary",
+           "SiteCost", "code_fingerprint", "node_keys", "output_blob", "place", "plan_nodes",
+           "recorded_runs", "run_nodes", "run_parts", "sha256_json"]  # fmt: skip
