@@ -437,7 +437,13 @@ def deploy(
     """
     from prefect.settings import PREFECT_API_URL
 
-    from quantloop.deploy import PREFECT_YAML, DeploymentConflict, apply, read_deployments
+    from quantloop.deploy import (
+        PREFECT_YAML,
+        DeploymentConflict,
+        apply,
+        read_deployments,
+        read_queues,
+    )
 
     if not PREFECT_API_URL.value():
         # Prefect would start a temporary server and deploy there, to be lost on exit.
@@ -451,11 +457,18 @@ def deploy(
             fail(f"--only: no deployment {sorted(unknown)}; known: {[d.full_name for d in specs]}")
         specs = [d for d in specs if d.full_name in only]
     try:
-        ids = apply(specs, replace=replace)
+        queues = read_queues(prefect_file or PREFECT_YAML)
+        ids = apply(specs, replace=replace, queues=queues)
     except DeploymentConflict as exc:
         fail(str(exc), code=1)
     for d in specs:
-        console.print(f"{d.full_name} -> work pool {d.pool}: deployment {ids[d.full_name]}")
+        console.print(f"{d.full_name} -> work pool {d.pool}, queue {d.queue}: deployment "
+                      f"{ids[d.full_name]}")  # fmt: skip
+    if queues:
+        ranked = sorted(queues.items(), key=lambda x: x[1])
+        console.print(
+            "work queues by priority (lower first): " + ", ".join(f"{q} {p}" for q, p in ranked)
+        )
 
 
 @app.command()
