@@ -274,7 +274,7 @@ def test_a_queued_research_run_starts_before_queued_retrains(prefect_server, tmp
     specs = for_stack(wanted, pool=pool, checkout=REPO_ROOT, workspace=workspace)
     research_params = tiny_params(home, workspace["tracking_uri"])
     with settings(api):
-        ids = apply(specs, queues=read_queues(PREFECT_YAML))
+        ids = apply(specs, replace=True, queues=read_queues(PREFECT_YAML))
         with get_client(sync_client=True) as client:
             queues = {q.name: q.priority for q in client.read_work_queues(work_pool_name=pool)}
             retrains = [
