@@ -13,6 +13,7 @@ hits, a new version recomputes. Prefect sees one task per shard, never one per n
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -170,11 +171,16 @@ def feature_inputs(stage: StageParams) -> pa.Table:
 
 
 def backtest_stage(
-    recipe: Recipe, workspace: Workspace, selection: Selection | None
+    recipe: Recipe,
+    workspace: Workspace,
+    products: list[str] | None = None,
+    start: dt.date | None = None,
+    end: dt.date | None = None,
 ) -> StageParams:
-    """The model's features on the selection (default: its products, every landed day)."""
-    if selection is None:
-        selection = Selection(dataset=recipe.dataset, products=recipe.products or None)
+    """The model's features on the model's dataset: `products` (default: the model's)
+    from `start` to `end` (default: every landed day)."""
+    selection = Selection(dataset=recipe.dataset, products=products or recipe.products or None,
+                          start=start, end=end)  # fmt: skip
     return StageParams.model_validate({
         "workspace": workspace, "selection": selection, "features": recipe.features,
         "product_features": recipe.product_features,
@@ -186,7 +192,9 @@ def backtest_stage(
 def backtest(
     model: str | None = None,
     version: str = "champion",
-    selection: Selection | None = None,
+    products: list[str] | None = None,
+    start: dt.date | None = None,
+    end: dt.date | None = None,
     workspace: Workspace = Workspace(),
     config: SimForm = SimConfig(),
     device: str = "auto",
@@ -198,7 +206,9 @@ def backtest(
     Args:
         model: The registered model's name. None: the tracking block's.
         version: A version number ("3") or an alias ("champion").
-        selection: The products and days. None: the model's products, every landed day.
+        products: The products to run over, of the model's dataset. None: the model's.
+        start: The first day. None: the first landed.
+        end: The last day (included). None: the last landed.
         workspace: Where the data, node outputs and records live.
         config: Mark-out horizons and the trading rule; each day trades its top
             (1 - trade_quantile) of |prediction|.
@@ -211,6 +221,8 @@ def backtest(
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    if start is not None and end is not None and start > end:
+        raise ValueError(f"start {start} is after end {end}")
     tracking_block = workspace.resolve_tracking()
     client, experiment = tracking.client_for(tracking_block)
     name = model or tracking_block.registered_model
@@ -224,7 +236,7 @@ def backtest(
             f"{site.name}'s store ({model_url}); backtest on the site that trained it"
         )
     run_device = resolve_backtest_device(device, site)
-    stage = backtest_stage(recipe, workspace, selection)
+    stage = backtest_stage(recipe, workspace, products, start, end)
     logger.info("backtest of %s version %s (weights %s) on %s", name, mv.version,
                 recipe.model_digest[:12], run_device)  # fmt: skip
     with tracking.run(client, experiment, "backtest", tags={
