@@ -171,8 +171,8 @@ def test_a_folder_of_bad_lobster_files_is_refused_naming_each(tmp_path):
                                               "an alias (champion)"),
         (["retrain", "--days", "0"], "--days must be >= 1, got 0"),
         (["backtest", "--version", "v 2"], "--version 'v 2': give a version number"),
-        (["backtest", "--products", "SYNA,bad name!"], "--products: 'bad name!' is not a valid "
-                                                       "product name"),
+        (["backtest", "--products", "SYNA,bad name!"],
+         "--products: product 'bad name!' is not a valid product name"),
         (["backtest", "--start", "2026-03-05", "--end", "2026-03-02"],
          "--start 2026-03-05 is after --end 2026-03-02"),
         (["backtest", "--device", "gpu"], "--device 'gpu': give auto, cpu, cuda or cuda:N"),
