@@ -38,6 +38,7 @@ KIND = "backtest"
 # A Dask worker runs many batches of one backtest: the model is loaded (and its digest
 # checked) once per worker process and device, not once per batch.
 _MODELS: dict[tuple[str, str, str], TrainResult] = {}
+MODELS_KEPT = 4
 _LOCK = threading.Lock()
 
 
@@ -57,6 +58,8 @@ def prepare(values: dict[str, Any], *, model_url: str) -> tuple[TrainResult, Sim
             if model.model_digest != values["model_digest"]:
                 raise ValueError(f"{model_url}: weights {model.model_digest[:12]} are not the "
                                  f"version's {values['model_digest'][:12]}")  # fmt: skip
+            while len(_MODELS) >= MODELS_KEPT:  # the oldest goes: dicts keep insertion order
+                del _MODELS[next(iter(_MODELS))]
             _MODELS[cached] = model
     sim = dict(values["sim"])
     sim["markout_horizons_s"] = tuple(sim["markout_horizons_s"])
