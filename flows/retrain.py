@@ -45,7 +45,8 @@ class RetrainSummary(BaseModel):
     model: str
     from_version: str  # the version whose recipe was used (the alias's, when run)
     alias: str
-    new_version: str | None  # None: the newest data gave the same model (no new version)
+    new_version: str | None  # None: the model of these days was registered already
+    version: str  # the version holding the model of these days (new or found)
     model_key: str
     model_cached: bool
     recipe_digest: str
@@ -150,7 +151,11 @@ def retrain(
         features_flow(stage, parent_run_id=parent.run_id)
         trained = train_flow(stage, train, parent_run_id=parent.run_id)
         simulated = simulate_flow(trained.model_url, stage, sim, parent_run_id=parent.run_id)
-        new = trained.model_version if trained.model_version != str(source.version) else None
+        # New only if this run registered it: the same model (the same key: the same recipe
+        # and days) is found with the version it was first registered as, maybe by
+        # a research run on these days.
+        found = client.get_model_version(name, trained.model_version)
+        new = trained.model_version if found.tags.get("research_run_id") == parent.run_id else None
         if new is not None:
             for key, value in {RETRAINED_FROM_TAG: f"{name}/{source.version}",
                                RECIPE_TAG: recipe_digest}.items():  # fmt: skip
@@ -161,6 +166,7 @@ def retrain(
         parent.metrics({"wall_s": time.perf_counter() - t0, "trades": simulated.trades, **markout})
     summary = RetrainSummary(
         model=name, from_version=str(source.version), alias=alias, new_version=new,
+        version=trained.model_version,
         model_key=trained.model_key, model_cached=trained.cache_hit,
         recipe_digest=recipe_digest, dataset=selection.dataset,
         products=selection.products or [], start=selection.start, end=selection.end,
@@ -170,7 +176,7 @@ def retrain(
     outcome = (
         f"new version {new}"
         if new
-        else f"no new version: the newest data gave version {source.version}'s model again"
+        else f"no new version: this model of these days is version {trained.model_version} already"
     )
     logger.info("retrain of %s: %s; %s stays on version %s", name, outcome, alias, source.version)
     link = tracking_block.run_url(experiment, parent.run_id)

@@ -432,8 +432,9 @@ def retrain(
                                workspace=_workspace(home, tracking_uri))  # fmt: skip
     except LookupError as exc:
         fail(str(exc))
-    made = (f"new version {summary.new_version}" if summary.new_version
-            else "no new version (the newest days gave the same model)")  # fmt: skip
+    made = f"new version {summary.new_version}"
+    if summary.new_version is None:
+        made = f"no new version (this model of these days is version {summary.version})"
     console.print(
         f"{summary.model} version {summary.from_version} ({summary.alias}) retrained on "
         f"{summary.start}..{summary.end}: {made}; {summary.alias} unchanged. MLflow run "

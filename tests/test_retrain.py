@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from quantloop.blocks import MlflowTracking
 from quantloop.flows.backtest import backtest
+from quantloop.flows.promote import promote
 from quantloop.flows.research import ResearchParams, research
 from quantloop.flows.retrain import retrain
 from quantloop.tasks import runs
@@ -71,6 +72,14 @@ def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflo
     # its run is shaped like a research run: features, train and simulate under it
     stages = runs.stage_runs(client, client.get_run(summary.mlflow_run_id))
     assert set(stages) == {"features", "train", "simulate"}
+    # so promote gates the new version as it gates a research run's: reproduction included
+    decision = promote(summary.mlflow_run_id, reproduce_sample=2, workspace=workspace)
+    assert decision["version"] == summary.new_version
+    assert decision["gates"]["reproduction"]["passed"], decision["gates"]
+    assert decision["gates"]["markout"]["champion"] == first.model_version
+    moved = client.get_model_version_by_alias(name, "champion").version
+    assert moved == (summary.new_version if decision["decision"] == "promoted"
+                     else first.model_version)  # fmt: skip
 
     # Nothing new landed: the same key, the same version; no copy is registered.
     again = retrain(workspace=workspace, alias=summary.new_version)
