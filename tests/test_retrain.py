@@ -84,6 +84,7 @@ def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflo
     # Nothing new landed: the same key, the same version; no copy is registered.
     again = retrain(workspace=workspace, alias=summary.new_version)
     assert again.new_version is None and again.model_cached
+    assert again.version == summary.new_version
     assert len(client.search_model_versions(f"name = '{name}'")) == 2
 
 
@@ -132,3 +133,18 @@ def test_a_bad_model_or_version_is_named(prefect_api, mlflow_uri, tmp_path):
         backtest(workspace=workspace)
     with pytest.raises(LookupError, match=f"'{name}' has no alias 'champion'"):
         retrain(workspace=workspace)
+
+
+def test_backtest_device_auto_is_a_gpu_when_the_site_has_one():
+    import torch
+
+    from quantloop.blocks import Site
+    from quantloop.flows.backtest import resolve_backtest_device
+
+    cluster = dict(name="gpu-site", scheduler_address="tcp://10.0.0.9:8786", storage_root="/x")
+    assert resolve_backtest_device("auto", Site(**cluster, gpus=2)) == "cuda"
+    assert resolve_backtest_device("auto", Site(**cluster)) == "cpu"
+    assert resolve_backtest_device("cpu", Site(**cluster, gpus=2)) == "cpu"  # asked for
+    local = Site(name="local", storage_root="/x")  # the embedded LocalCluster: this host's
+    assert resolve_backtest_device("auto", local) == ("cuda" if torch.cuda.is_available()
+                                                      else "cpu")  # fmt: skip
