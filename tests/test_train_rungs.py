@@ -26,8 +26,8 @@ from quantloop.profiling.proof import plan_rungs, proof_from_result
 from quantloop.profiling.rungs import RUNGS
 from quantloop.profiling.trainer import train_applied
 from quantloop.profiling.workload import build_workload, packed_batch
+from quantloop.tasks.train_config import OPTIMIZATIONS
 from quantloop.tasks.training import (
-    OPTIMIZATIONS,
     TrainConfig,
     load_model,
     predict,
