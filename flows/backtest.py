@@ -249,7 +249,7 @@ def backtest(
         kind = backtest_kind(model_url)
         values = node_params(recipe.model_key, recipe.model_digest, run_device, config)
         digest = sha256_json(values)
-        products = pc.unique(inputs["product"]).to_pylist()
+        planned = pc.unique(inputs["product"]).to_pylist()  # every product: one params set
         horizons = config.horizon_keys()
         records = RunRecords(manifest_url(site.root, kind.name))
         summary, marks = RunSummary(), {}
@@ -258,7 +258,7 @@ def backtest(
             for i, part in enumerate(shards(inputs, shard_size)):
                 # quote(): Prefect would otherwise walk every argument for task inputs
                 shard_summary, shard_marks = backtest_shard.submit(
-                    quote(kind), {digest: values}, dict.fromkeys(products, digest), quote(part),
+                    quote(kind), {digest: values}, dict.fromkeys(planned, digest), quote(part),
                     site.root, site.name, quote(connect), i, quote(records), horizons,
                 ).result()  # fmt: skip
                 summary.add(shard_summary)
