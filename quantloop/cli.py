@@ -1,5 +1,5 @@
 """The `quantloop` command line: run the research loop, serve the local stack, deploy,
-query nodes, run the ladder."""
+query nodes, retrain and backtest registered models, run the ladder."""
 
 from __future__ import annotations
 
@@ -418,6 +418,135 @@ def promote(
         raise typer.Exit(1)
 
 
+# A registered model's version: a number, or an alias (MLflow's alias rule, roughly)
+_VERSION_REF = r"^([0-9]+|[A-Za-z_][A-Za-z0-9_-]*)$"
+ModelOption = Annotated[
+    str | None, typer.Option(help="Registered model [default: the tracking block's]")
+]
+
+
+def _check_version(option: str, value: str) -> None:
+    import re
+
+    if not re.match(_VERSION_REF, value):
+        fail(f"{option} {value!r}: give a version number (3) or an alias (champion)")
+
+
+@app.command()
+def retrain(
+    model: ModelOption = None,
+    alias: Annotated[
+        str, typer.Option(help="Whose recipe: an alias or a version number")
+    ] = "champion",
+    days: Annotated[
+        int | None,
+        typer.Option(help="Newest landed trading days to use [default: as many as the version's]"),
+    ] = None,
+    summary_json: Annotated[
+        Path | None, typer.Option("--summary-json", help="Also write the summary here.")
+    ] = None,
+    home: HomeOption = None,
+    tracking_uri: TrackingUriOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Retrain a registered version's recipe (the champion's by default) on the newest
+    landed days and register a new version; the alias does not move (promote moves it)."""
+    _check_version("--alias", alias)
+    if days is not None and days < 1:
+        fail(f"--days must be >= 1, got {days}")
+    if model is not None and not model.strip():
+        fail("--model must not be empty")
+    if not verbose:
+        quiet_console()
+    from quantloop.flows.retrain import retrain as retrain_flow
+
+    try:
+        summary = retrain_flow(model=model, alias=alias, days=days,
+                               workspace=_workspace(home, tracking_uri))  # fmt: skip
+    except LookupError as exc:
+        fail(str(exc))
+    made = f"new version {summary.new_version}"
+    if summary.new_version is None:
+        made = f"no new version (this model of these days is version {summary.version})"
+    console.print(
+        f"{summary.model} version {summary.from_version} ({summary.alias}) retrained on "
+        f"{summary.start}..{summary.end}: {made}; {summary.alias} unchanged. MLflow run "
+        f"{summary.mlflow_run_id} (quantloop promote {summary.mlflow_run_id})",
+        soft_wrap=True,
+    )
+    _write_json(summary_json, summary.model_dump(mode="json"))
+
+
+@app.command()
+def backtest(
+    model: ModelOption = None,
+    version: Annotated[str, typer.Option(help="A version number or an alias")] = "champion",
+    products: Annotated[
+        str | None, typer.Option(help="Comma-separated products [default: the model's]")
+    ] = None,
+    start: Annotated[
+        dt.datetime | None, typer.Option(formats=["%Y-%m-%d"], help="First day [default: all]")
+    ] = None,
+    end: Annotated[
+        dt.datetime | None, typer.Option(formats=["%Y-%m-%d"], help="Last day [default: all]")
+    ] = None,
+    device: Annotated[
+        str, typer.Option(help="auto (a GPU when the site has one), cpu or cuda")
+    ] = "auto",
+    shard_size: Annotated[int, typer.Option(help="Backtest nodes per Prefect task")] = 10_000,
+    summary_json: Annotated[
+        Path | None, typer.Option("--summary-json", help="Also write the summary here.")
+    ] = None,
+    home: HomeOption = None,
+    tracking_uri: TrackingUriOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Run a registered model version over products x days as cached nodes: predictions,
+    trades and mark-out per product-day; a summary in MLflow. Exits 1 if nodes failed."""
+    from quantloop.tasks.schema import Partition
+
+    _check_version("--version", version)
+    names = [p.strip() for p in products.split(",")] if products else None
+    try:
+        for p in names or []:
+            Partition(p, dt.date(2000, 1, 1))  # the product-name rule, with its message
+    except ValueError as exc:
+        fail(f"--products: {exc}")
+    first, last = (d.date() if d else None for d in (start, end))
+    if first and last and first > last:
+        fail(f"--start {first} is after --end {last}")
+    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        fail(f"--device {device!r}: give auto, cpu, cuda or cuda:N")
+    if shard_size < 1:
+        fail(f"--shard-size must be >= 1, got {shard_size}")
+    if not verbose:
+        quiet_console()
+    from quantloop.flows.backtest import BacktestFailed
+    from quantloop.flows.backtest import backtest as backtest_flow
+
+    try:
+        result = backtest_flow(model=model, version=version, products=names, start=first,
+                               end=last, device=device, shard_size=shard_size,
+                               workspace=_workspace(home, tracking_uri))  # fmt: skip
+    except (LookupError, ValueError) as exc:
+        fail(str(exc))
+    except BacktestFailed as exc:
+        fail(str(exc), code=1)
+    table = Table(title=f"Backtest of {result.model} version {result.version} (bps)",
+                  box=box.SIMPLE_HEAD, collapse_padding=True)  # fmt: skip
+    horizons = list(result.total["mean_bps"])
+    for col in ("product", "trades", *horizons):
+        table.add_column(col, justify="left" if col == "product" else "right")
+    for product, f in {**result.products, "total": result.total}.items():
+        table.add_row(product, f"{f['trades']:,}", *(f"{f['mean_bps'][h]:+.2f}" for h in horizons))
+    console.print(table)
+    console.print(
+        f"{result.nodes:,} product-days: {result.cache_hits:,} cache hits, {result.computed:,} "
+        f"computed on {result.device} in {result.wall_s:.1f} s; MLflow run {result.mlflow_run_id}"
+    )
+    _write_json(summary_json, result.model_dump(mode="json"))
+
+
 @app.command()
 def serve(
     home: Annotated[
@@ -470,7 +599,13 @@ def deploy(
     """
     from prefect.settings import PREFECT_API_URL
 
-    from quantloop.deploy import PREFECT_YAML, DeploymentConflict, apply, read_deployments
+    from quantloop.deploy import (
+        PREFECT_YAML,
+        DeploymentConflict,
+        apply,
+        read_deployments,
+        read_queues,
+    )
 
     if not PREFECT_API_URL.value():
         # Prefect would start a temporary server and deploy there, to be lost on exit.
@@ -484,11 +619,18 @@ def deploy(
             fail(f"--only: no deployment {sorted(unknown)}; known: {[d.full_name for d in specs]}")
         specs = [d for d in specs if d.full_name in only]
     try:
-        ids = apply(specs, replace=replace)
+        queues = read_queues(prefect_file or PREFECT_YAML)
+        ids = apply(specs, replace=replace, queues=queues)
     except DeploymentConflict as exc:
         fail(str(exc), code=1)
     for d in specs:
-        console.print(f"{d.full_name} -> work pool {d.pool}: deployment {ids[d.full_name]}")
+        console.print(f"{d.full_name} -> work pool {d.pool}, queue {d.queue}: deployment "
+                      f"{ids[d.full_name]}")  # fmt: skip
+    if queues:
+        ranked = sorted(queues.items(), key=lambda x: x[1])
+        console.print(
+            "work queues by priority (lower first): " + ", ".join(f"{q} {p}" for q, p in ranked)
+        )
 
 
 @app.command()

@@ -3,9 +3,13 @@
 `quantloop deploy` and `quantloop serve` read the file, create the work pools it
 names (process pools), and create each deployment as `prefect deploy` would: the
 flow loaded from its entrypoint for its name and parameter schema, the file's pull
-steps, pool, queue, parameters, tags and description. An existing deployment with
-other settings is never replaced silently: the call fails naming each difference,
-unless asked to replace.
+steps, pool, queue, schedules, parameters, tags and description. An existing
+deployment with other settings is never replaced silently: the call fails naming each
+difference, unless asked to replace.
+
+The file's top-level `work_queues` (which `prefect deploy` ignores) gives each queue's
+priority; every pool the deployments name gets those queues with those priorities, so
+a worker serves the research queue before the batch queue (retrain, backtest).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Deployment:
     tags: list[str] = dataclasses.field(default_factory=list)
     description: str | None = None
     job_variables: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # as prefect.yaml writes them: {"cron": ..., "timezone": ..., "active": ...}
+    schedules: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def full_name(self) -> str:
@@ -77,12 +83,62 @@ def read_deployments(path: Path = PREFECT_YAML, root: Path = REPO_ROOT) -> list[
                 tags=list(d.get("tags") or []),
                 description=d.get("description"),
                 job_variables=copy.deepcopy(pool.get("job_variables") or {}),
+                schedules=[schedule_spec(x) for x in d.get("schedules") or []],
             )
         )
     names = [d.full_name for d in out]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: deployment names repeat: {sorted(names)}")
     return out
+
+
+def schedule_spec(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A prefect.yaml schedule as quantloop applies and compares it: cron schedules only
+    (the file's), with the timezone and whether it is active spelled out."""
+    unknown = set(item) - {"cron", "timezone", "active"}
+    if "cron" not in item or unknown:
+        raise ValueError(f"a schedule is {{cron, timezone, active}} here, got {dict(item)}")
+    return {"cron": item["cron"], "timezone": item.get("timezone") or "UTC",
+            "active": bool(item.get("active", True))}  # fmt: skip
+
+
+def read_queues(path: Path = PREFECT_YAML) -> dict[str, int]:
+    """The work queues' priorities of a prefect.yaml (`work_queues`: name -> priority;
+    lower is served first)."""
+    queues = yaml.safe_load(Path(path).read_text()).get("work_queues") or {}
+    for name, priority in queues.items():
+        if not isinstance(priority, int) or priority < 1:
+            raise ValueError(
+                f"{path}: work_queues.{name} must be an integer >= 1, got {priority!r}"
+            )
+    return dict(queues)
+
+
+def ensure_queues(pool: str, priorities: Mapping[str, int]) -> list[str]:
+    """Give `pool` the queues with the priorities of `priorities`, creating missing
+    ones; returns what changed ("batch: created, priority 10")."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    changed = []
+    with get_client(sync_client=True) as client:
+        # highest priority first: Prefect shifts queues when a priority is taken
+        for name, priority in sorted(priorities.items(), key=lambda kv: kv[1]):
+            try:
+                queue = client.read_work_queue_by_name(name, work_pool_name=pool)
+            except ObjectNotFound:
+                client.create_work_queue(
+                    name,
+                    priority=priority,
+                    work_pool_name=pool,
+                    description=f"priority {priority} (infra/prefect.yaml)",
+                )
+                changed.append(f"{pool}/{name}: created, priority {priority}")
+                continue
+            if queue.priority != priority:
+                client.update_work_queue(queue.id, priority=priority)
+                changed.append(f"{pool}/{name}: priority {queue.priority} -> {priority}")
+    return changed
 
 
 def for_stack(
@@ -99,10 +155,13 @@ def for_stack(
     out = []
     for d in deployments:
         parameters = copy.deepcopy(d.parameters)
-        for value in parameters.values():
-            if isinstance(value, dict) and "workspace" in value:
-                kept = {k: v for k, v in value["workspace"].items() if k not in WHERE}
-                value["workspace"] = {**kept, **workspace}
+        # a flow's workspace: a parameter of its own (retrain, backtest), or a field of
+        # its one parameter (research's params, a stage's stage)
+        holders = [parameters] + [v for v in parameters.values() if isinstance(v, dict)]
+        for holder in holders:
+            if isinstance(holder.get("workspace"), dict):
+                kept = {k: v for k, v in holder["workspace"].items() if k not in WHERE}
+                holder["workspace"] = {**kept, **workspace}
         steps = [{"prefect.deployments.steps.set_working_directory": {"directory": str(checkout)}}]
         out.append(dataclasses.replace(d, pool=pool, pull_steps=steps, parameters=parameters))
     return out
@@ -151,6 +210,17 @@ def differences(existing: Any, wanted: Deployment) -> list[str]:
         "tags": sorted(existing.tags or []),
         "description": existing.description or None,
         "job variables": existing.job_variables or {},
+        "schedules": sorted(
+            (
+                {
+                    "cron": getattr(x.schedule, "cron", repr(x.schedule)),
+                    "timezone": getattr(x.schedule, "timezone", None) or "UTC",
+                    "active": x.active,
+                }
+                for x in existing.schedules or []
+            ),
+            key=repr,
+        ),  # fmt: skip
     }
     want = {
         "entrypoint": wanted.entrypoint,
@@ -161,19 +231,27 @@ def differences(existing: Any, wanted: Deployment) -> list[str]:
         "tags": sorted(wanted.tags),
         "description": wanted.description or None,
         "job variables": wanted.job_variables,
+        "schedules": sorted(wanted.schedules, key=repr),
     }
     return [f"{k}: {have[k]!r} -> {want[k]!r}" for k in want if have[k] != want[k]]
 
 
 def apply(
-    deployments: Sequence[Deployment], *, replace: bool = False, root: Path = REPO_ROOT
+    deployments: Sequence[Deployment],
+    *,
+    replace: bool = False,
+    root: Path = REPO_ROOT,
+    queues: Mapping[str, int] | None = None,
 ) -> dict[str, UUID]:
     """Create (or leave as they are) the deployments; returns their ids by full name.
+    `queues` (read_queues()) are made in every pool the deployments name.
 
     Raises DeploymentConflict, before changing anything, when a deployment of the same
     name exists with other settings, unless `replace`.
     """
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import CronSchedule
     from prefect.exceptions import ObjectNotFound
     from prefect.flows import load_flow_from_entrypoint
     from prefect.utilities.callables import parameter_schema
@@ -195,6 +273,7 @@ def apply(
             )
         for pool in dict.fromkeys(d.pool for d in deployments):
             ensure_pool(pool)
+            ensure_queues(pool, queues or {})
         ids = {}
         for d in deployments:
             flow = load_flow_from_entrypoint(str(root / d.entrypoint))
@@ -210,6 +289,13 @@ def apply(
                 tags=d.tags,
                 description=d.description,
                 job_variables=d.job_variables,
+                schedules=[
+                    DeploymentScheduleCreate(
+                        schedule=CronSchedule(cron=x["cron"], timezone=x["timezone"]),
+                        active=x["active"],
+                    )
+                    for x in d.schedules
+                ],
                 parameter_openapi_schema=parameter_schema(flow).model_dump_for_openapi(),
                 enforce_parameter_schema=True,
             )

@@ -42,7 +42,14 @@ from pathlib import Path
 
 import psutil
 
-from quantloop.deploy import PREFECT_YAML, REPO_ROOT, apply, for_stack, read_deployments
+from quantloop.deploy import (
+    PREFECT_YAML,
+    REPO_ROOT,
+    apply,
+    for_stack,
+    read_deployments,
+    read_queues,
+)
 
 WORKER_NAME = "quantloop-serve"
 
@@ -377,7 +384,8 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
                 pool=cfg.pool, checkout=cfg.checkout, workspace=cfg.workspace(),
             )  # fmt: skip
             # The stack's own server: its deployments follow prefect.yaml.
-            ids = apply(specs, replace=True, root=cfg.checkout)
+            ids = apply(specs, replace=True, root=cfg.checkout,
+                        queues=read_queues(cfg.prefect_file))  # fmt: skip
             timings["deploy_s"] = time.monotonic() - t1
             worker = worker_service(cfg)
             services.append(worker)

@@ -14,6 +14,9 @@ from quantloop.tasks import storage
 from quantloop.tasks.tracking import PARENT_TAG
 
 _MLFLOW_ID = re.compile(r"^[0-9a-f]{32}$")
+# Runs with stage runs (features, train, simulate) under them: a research run, and a
+# retrain run (flows/retrain.py), which is shaped like one.
+RESEARCH_STAGES = ("research", "retrain")
 
 
 def find_research_run(client: MlflowClient, ref: str) -> Run:
@@ -25,18 +28,17 @@ def find_research_run(client: MlflowClient, ref: str) -> Run:
             run = client.get_run(ref)
         except Exception as exc:  # MLflow's RESOURCE_DOES_NOT_EXIST
             raise LookupError(f"no MLflow run {ref} at {client.tracking_uri}: {exc}") from exc
-        if run.data.tags.get("quantloop.stage") != "research":
+        if run.data.tags.get("quantloop.stage") not in RESEARCH_STAGES:
             parent = run.data.tags.get(PARENT_TAG)
             if parent:  # a stage's run: its research run is meant
                 return find_research_run(client, parent)
             raise LookupError(f"MLflow run {ref} is not a quantloop research run")
         return run
     experiments = [e.experiment_id for e in client.search_experiments()]
-    found = client.search_runs(
-        experiments,
-        filter_string=f"tags.prefect_flow_run_id = '{ref}' and tags.`quantloop.stage` = 'research'",
-        max_results=2,
-    ) if experiments else []  # fmt: skip
+    found = []
+    for stage in RESEARCH_STAGES if experiments else ():
+        where = f"tags.prefect_flow_run_id = '{ref}' and tags.`quantloop.stage` = '{stage}'"
+        found += client.search_runs(experiments, filter_string=where, max_results=2)
     if not found:
         raise LookupError(
             f"no research run with MLflow run id or Prefect flow run id {ref!r} at "

@@ -162,7 +162,11 @@ def prefect_server(
 
 @contextlib.contextmanager
 def prefect_worker(
-    api_url: str, pool: str, folder: Path, env: dict[str, str] | None = None
+    api_url: str,
+    pool: str,
+    folder: Path,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> Iterator[subprocess.Popen]:
     """`prefect worker start --type process` polling `pool` every second; yields the process.
 
@@ -181,7 +185,7 @@ def prefect_worker(
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "prefect", "worker", "start",
-            "--pool", pool, "--type", "process", "--name", f"{pool}-test-worker",
+            "--pool", pool, "--type", "process", "--name", f"{pool}-test-worker", *args,
         ],
         stdout=log, stderr=subprocess.STDOUT, env=worker_env,
     )  # fmt: skip

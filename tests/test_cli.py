@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
-from quantloop.cli import rich_table
+from quantloop.cli import app, rich_table
 from quantloop.tasks.summary import ResearchSummary, markout_table
 
 HORIZONS = ["1s", "5s", "30s", "60s", "300s", "10ev", "100ev"]
@@ -161,3 +162,30 @@ def test_a_folder_of_bad_lobster_files_is_refused_naming_each(tmp_path):
                   "CCC_2024-01-02_34200000_57600000_message_2.csv: row 2, column 4"):  # fmt: skip
         assert where in result.output, where
     assert "Traceback" not in result.output and not home.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["retrain", "--alias", "champ ion"], "--alias 'champ ion': give a version number (3) or "
+                                              "an alias (champion)"),
+        (["retrain", "--days", "0"], "--days must be >= 1, got 0"),
+        (["backtest", "--version", "v 2"], "--version 'v 2': give a version number"),
+        (["backtest", "--products", "SYNA,bad name!"],
+         "--products: product 'bad name!' is not a valid product name"),
+        (["backtest", "--start", "2026-03-05", "--end", "2026-03-02"],
+         "--start 2026-03-05 is after --end 2026-03-02"),
+        (["backtest", "--device", "gpu"], "--device 'gpu': give auto, cpu, cuda or cuda:N"),
+        (["backtest", "--shard-size", "0"], "--shard-size must be >= 1, got 0"),
+    ],
+)  # fmt: skip
+def test_bad_retrain_and_backtest_input_fails_in_one_line_before_anything_starts(
+    tmp_path, args, message
+):
+    home = tmp_path / "home"
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--home", str(home)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    error_lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and "Traceback" not in result.output
+    assert not home.exists()  # no catalog, no MLflow store: nothing was started

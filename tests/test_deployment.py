@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,7 +25,14 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
 from quantloop.blocks import MlflowTracking, Site
-from quantloop.deploy import REPO_ROOT, apply, ensure_pool, for_stack, read_deployments
+from quantloop.deploy import (
+    REPO_ROOT,
+    apply,
+    ensure_pool,
+    for_stack,
+    read_deployments,
+    read_queues,
+)
 from quantloop.tasks.stage import StageParams, feature_outputs
 from quantloop.tasks.workspace import Selection, Workspace
 from tests import servers
@@ -61,7 +69,14 @@ def test_prefect_yaml_entrypoints_load_and_parameters_validate():
         "features/desk": "quantloop-cpu",
         "train/gpu": "quantloop-gpu",
         "simulate/desk": "quantloop-cpu",
+        "retrain/nightly": "quantloop-cpu",
+        "backtest/desk": "quantloop-cpu",
     }
+    queues = {d.full_name: d.queue for d in read_deployments(PREFECT_YAML)}
+    priority = read_queues(PREFECT_YAML)
+    # retraining and backtests wait behind research in its own pool
+    for batch in ("retrain/nightly", "backtest/desk"):
+        assert priority[queues[batch]] > priority[queues["research/desk"]]
 
 
 def test_a_stack_runs_the_same_deployments_from_its_checkout_on_its_pool(tmp_path):
@@ -72,7 +87,8 @@ def test_a_stack_runs_the_same_deployments_from_its_checkout_on_its_pool(tmp_pat
         assert d.pool == "local"
         assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
                                  {"directory": str(tmp_path)}}]  # fmt: skip
-        [workspace] = [v["workspace"] for v in d.parameters.values() if "workspace" in v]
+        [workspace] = [v["workspace"] for v in [d.parameters, *d.parameters.values()]
+                       if isinstance(v, dict) and "workspace" in v]  # fmt: skip
         assert workspace == {"home": "/home/me/.quantloop"}  # the desk's blocks are not here
 
 
@@ -241,3 +257,50 @@ def test_operator_setup_from_infra_readme(prefect_server, mlflow_uri):
         {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $QUANTLOOP_DIR }}"}}
     ]
     assert deployed["research"].parameters["params"]["workspace"]["site"] == "onprem"
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_queued_research_run_starts_before_queued_retrains(prefect_server, tmp_path):
+    """Research's queue outranks the batch queue in one pool: runs queued while the
+    worker is down are started research first, whatever waited longer. The retrains
+    retrain the research run's version (1 of a fresh store): one started first would
+    find no model and fail."""
+    api, _ = prefect_server
+    pool, home, worker_dir = "quantloop-test-queues", tmp_path / "workspace", tmp_path / "worker"
+    wanted = [d for d in read_deployments(PREFECT_YAML) if d.flow in ("research", "retrain")]
+    # A store of its own: the research run registers version 1 of the model there.
+    workspace = {"home": str(home), "tracking_uri": f"sqlite:///{home / 'queue-mlflow.db'}"}
+    specs = for_stack(wanted, pool=pool, checkout=REPO_ROOT, workspace=workspace)
+    research_params = tiny_params(home, workspace["tracking_uri"])
+    with settings(api):
+        ids = apply(specs, replace=True, queues=read_queues(PREFECT_YAML))
+        with get_client(sync_client=True) as client:
+            queues = {q.name: q.priority for q in client.read_work_queues(work_pool_name=pool)}
+            retrains = [
+                client.create_flow_run_from_deployment(
+                    ids["retrain/nightly"],
+                    parameters={"alias": "1", "workspace": {**workspace, "n_workers": 1}},
+                )
+                for _ in range(2)
+            ]
+            research_run = client.create_flow_run_from_deployment(
+                ids["research/desk"], parameters=research_params
+            )
+            runs = [research_run, *retrains]
+            assert all(r.state.is_scheduled() for r in runs)  # nothing serves the pool yet
+            with servers.prefect_worker(api, pool, worker_dir, args=("--limit", "1"),
+                                        env={"PREFECT_API_AUTH_STRING": AUTH}):  # fmt: skip
+                deadline = time.monotonic() + 240
+                while time.monotonic() < deadline:
+                    runs = [client.read_flow_run(r.id) for r in runs]
+                    if all(r.state.is_final() for r in runs):
+                        break
+                    time.sleep(1)
+    assert queues["default"] < queues["batch"], queues
+    research_run, *retrains = runs
+    log = tail(worker_dir / "prefect-worker.log")
+    assert all(r.state.is_completed() for r in runs), [str(r.state) for r in runs] + [log]
+    assert all(research_run.start_time < r.start_time for r in retrains), (
+        research_run.start_time, [r.start_time for r in retrains])  # fmt: skip
+    assert retrains[0].created < research_run.created  # it waited longer, and still went later

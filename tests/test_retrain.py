@@ -1,0 +1,150 @@
+"""Retraining and backtests against the session's MLflow server (basic auth), with its
+Model Registry: retrain registers a new version of the champion's recipe on the newest
+days and never moves the alias; a backtest's nodes are keyed by the model's weights,
+so a re-run is all cache hits and another version recomputes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from quantloop.blocks import MlflowTracking
+from quantloop.flows.backtest import backtest
+from quantloop.flows.promote import promote
+from quantloop.flows.research import ResearchParams, research
+from quantloop.flows.retrain import retrain
+from quantloop.tasks import runs
+from quantloop.tasks.landing import business_days, land_synthetic
+from quantloop.tasks.recipe import read_recipe, resolve_version
+from quantloop.tasks.runs import read_artifact
+from quantloop.tasks.synthetic import SyntheticConfig
+from quantloop.tasks.workspace import Workspace
+
+SYNTHETIC = {"events_per_day": 3_000, "levels": 2, "signal": 1.0}
+START = dt.date(2026, 3, 2)
+TINY = {
+    "data": {"products": ["SYNA", "SYNB"], "n_dates": 2, "start_date": START.isoformat(),
+             "synthetic": SYNTHETIC},
+    "train": {"steps": 20, "batch_size": 64, "optimizations": "none"},
+}  # fmt: skip
+
+
+@pytest.fixture
+def champion(prefect_api, mlflow_uri, tmp_path):
+    """A research run's model as the champion of a registered model of its own (the
+    session's server is shared), and two newer days landed after it."""
+    name = f"retrain-test-{uuid.uuid4().hex[:8]}"
+    workspace = Workspace(home=str(tmp_path / "home"), n_workers=1, tracking=MlflowTracking(
+        tracking_uri=mlflow_uri, experiment=name, registered_model=name))  # fmt: skip
+    run = research(ResearchParams.model_validate({**TINY, "workspace": workspace}))
+    client = MlflowClient(mlflow_uri)
+    client.set_registered_model_alias(name, "champion", run.model_version)
+    newer = business_days(START, 4)[2:]
+    land_synthetic(workspace.catalog(), workspace.resolve_site().root, ["SYNA", "SYNB"], newer,
+                   SyntheticConfig(**SYNTHETIC))  # fmt: skip
+    return workspace, name, run, newer
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflow_uri):
+    workspace, name, first, newer = champion
+    client = MlflowClient(mlflow_uri)
+    summary = retrain(workspace=workspace)
+
+    assert summary.from_version == first.model_version
+    assert summary.new_version is not None and summary.new_version != first.model_version
+    assert (summary.start, summary.end) == (newer[0], newer[-1])  # the newest days only
+    # the alias stays: promotion is promote's
+    assert client.get_model_version_by_alias(name, "champion").version == first.model_version
+    old, new = (client.get_model_version(name, v) for v in (first.model_version,
+                                                            summary.new_version))  # fmt: skip
+    assert new.tags["train_config"] == old.tags["train_config"]
+    assert new.tags["retrained_from"] == f"{name}/{first.model_version}"
+    assert new.tags["data_digest"] != old.tags["data_digest"]
+    catalog = workspace.catalog()
+    assert (read_recipe(client, new, catalog).digest_fields()
+            == read_recipe(client, old, catalog).digest_fields())  # fmt: skip
+    # its run is shaped like a research run: features, train and simulate under it
+    stages = runs.stage_runs(client, client.get_run(summary.mlflow_run_id))
+    assert set(stages) == {"features", "train", "simulate"}
+    # so promote gates the new version as it gates a research run's: reproduction included
+    decision = promote(summary.mlflow_run_id, reproduce_sample=2, workspace=workspace)
+    assert decision["version"] == summary.new_version
+    assert decision["gates"]["reproduction"]["passed"], decision["gates"]
+    assert decision["gates"]["markout"]["champion"] == first.model_version
+    moved = client.get_model_version_by_alias(name, "champion").version
+    assert moved == (summary.new_version if decision["decision"] == "promoted"
+                     else first.model_version)  # fmt: skip
+
+    # Nothing new landed: the same key, the same version; no copy is registered.
+    again = retrain(workspace=workspace, alias=summary.new_version)
+    assert again.new_version is None and again.model_cached
+    assert again.version == summary.new_version
+    assert len(client.search_model_versions(f"name = '{name}'")) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_backtest_nodes_are_cached_by_the_models_weights(champion, mlflow_uri):
+    workspace, name, first, newer = champion
+    client = MlflowClient(mlflow_uri)
+    ran = backtest(workspace=workspace)  # the champion over every landed day: 2 x 4
+    assert (ran.nodes, ran.computed, ran.cache_hits, ran.failed) == (8, 8, 0, 0)
+    assert ran.version == first.model_version and ran.device == "cpu"
+    assert ran.total["trades"] > 0 and set(ran.products) == {"SYNA", "SYNB"}
+    recorded = client.get_run(ran.mlflow_run_id).data
+    assert recorded.metrics["nodes"] == 8 and recorded.tags["model_version"] == first.model_version
+    assert recorded.metrics["total.trades"] == ran.total["trades"]
+
+    again = backtest(workspace=workspace, version=first.model_version)
+    assert (again.nodes, again.computed, again.cache_hits) == (8, 0, 8)
+    assert again.total == ran.total
+
+    # Another version (other weights): every node recomputes.
+    other = retrain(workspace=workspace)
+    assert other.new_version is not None
+    third = backtest(workspace=workspace, version=other.new_version)
+    assert (third.nodes, third.computed, third.cache_hits) == (8, 8, 0)
+    summary = json.loads(
+        read_artifact(client, third.mlflow_run_id, "summary/backtest_summary.json")
+    )
+    assert summary["version"] == other.new_version
+
+
+@pytest.mark.server
+def test_a_bad_model_or_version_is_named(prefect_api, mlflow_uri, tmp_path):
+    client = MlflowClient(mlflow_uri)
+    name = f"retrain-missing-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(LookupError, match=f"no registered model '{name}' at {mlflow_uri}"):
+        resolve_version(client, name, "champion")
+    client.create_registered_model(name)
+    with pytest.raises(LookupError, match=f"'{name}' has no version '7'.*no versions"):
+        resolve_version(client, name, "7")
+    with pytest.raises(LookupError, match=f"'{name}' has no alias 'champion'"):
+        resolve_version(client, name, "champion")
+    workspace = Workspace(home=str(tmp_path / "home"), tracking=MlflowTracking(
+        tracking_uri=mlflow_uri, experiment=name, registered_model=name))  # fmt: skip
+    with pytest.raises(LookupError, match=f"'{name}' has no alias 'champion'"):
+        backtest(workspace=workspace)
+    with pytest.raises(LookupError, match=f"'{name}' has no alias 'champion'"):
+        retrain(workspace=workspace)
+
+
+def test_backtest_device_auto_is_a_gpu_when_the_site_has_one():
+    import torch
+
+    from quantloop.blocks import Site
+    from quantloop.flows.backtest import resolve_backtest_device
+
+    cluster = dict(name="gpu-site", scheduler_address="tcp://10.0.0.9:8786", storage_root="/x")
+    assert resolve_backtest_device("auto", Site(**cluster, gpus=2)) == "cuda"
+    assert resolve_backtest_device("auto", Site(**cluster)) == "cpu"
+    assert resolve_backtest_device("cpu", Site(**cluster, gpus=2)) == "cpu"  # asked for
+    local = Site(name="local", storage_root="/x")  # the embedded LocalCluster: this host's
+    assert resolve_backtest_device("auto", local) == ("cuda" if torch.cuda.is_available()
+                                                      else "cpu")  # fmt: skip
