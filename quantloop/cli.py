@@ -102,9 +102,10 @@ def log_file(path: Path, *, quiet: bool) -> Iterator[None]:
     undo: list = []
     logging.getLogger().addHandler(handler)
     undo.append(lambda: logging.getLogger().removeHandler(handler))
-    # Dask's loggers drop INFO themselves unless told otherwise; MLflow's does not
-    # propagate to the root (it has a console handler of its own).
-    for name in ("distributed", "mlflow"):
+    # Dask's loggers drop INFO themselves unless told otherwise, and so would
+    # quantloop's own (the root logger stays at WARNING); MLflow's does not propagate to
+    # the root (it has a console handler of its own).
+    for name in ("distributed", "mlflow", "quantloop"):
         logger = logging.getLogger(name)
         level = logger.level
         logger.setLevel(logging.INFO)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.metadata
+import io
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,6 +26,8 @@ from mlflow.tracking import MlflowClient
 
 from quantloop.models.predictor import Predictor
 from quantloop.tasks.training import INPUT_CLIP, TrainResult, column_matrix
+
+_logger = logging.getLogger(__name__)
 
 MODEL_KEY_TAG = "model_key"
 EXAMPLE_WINDOWS = 4
@@ -112,11 +116,18 @@ def register(
             name=name, source_run_id=run_id, experiment_id=experiment_id,
             tags={MODEL_KEY_TAG: model_key, **{k: str(v) for k, v in tags.items()}},
         )  # fmt: skip
-        info = mlflow.pytorch.log_model(
-            model, name="model", run_id=run_id, model_id=logged.model_id, input_example=example,
-            signature=infer_signature(example, out), pip_requirements=requirements(),
-            registered_model_name=name,
-        )  # fmt: skip
+        # MLflow prints "Successfully registered model ..." and "Created version ..." to
+        # stderr itself (not through a logger): they go to the run's log instead, so the
+        # console keeps to the stage lines.
+        printed = io.StringIO()
+        with contextlib.redirect_stderr(printed):
+            info = mlflow.pytorch.log_model(
+                model, name="model", run_id=run_id, model_id=logged.model_id,
+                input_example=example, signature=infer_signature(example, out),
+                pip_requirements=requirements(), registered_model_name=name,
+            )  # fmt: skip
+        for line in printed.getvalue().splitlines():
+            _logger.info("mlflow: %s", line)
     version = str(info.registered_model_version)
     for key, value in {MODEL_KEY_TAG: model_key, **tags}.items():
         client.set_model_version_tag(name, version, key, str(value))

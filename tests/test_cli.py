@@ -76,9 +76,11 @@ def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(tmp_path):
         assert line in console, line
     assert "distributed." not in console and "| INFO" not in console, console
     assert "Creating initial MLflow database tables" not in console
+    assert "Successfully registered model" not in console  # MLflow's own print, to the log
     [log] = (home / "logs").glob("run-*.log")
     kept = log.read_text()
     assert "distributed.scheduler" in kept and "Beginning flow run" in kept
+    assert "mlflow: Successfully registered model" in kept
     assert json.loads((tmp_path / "summary.json").read_text())["nodes"] == 2
 
 
