@@ -28,6 +28,9 @@ HomeOption = Annotated[
 TrackingUriOption = Annotated[
     str | None, typer.Option(help="MLflow tracking URI [default: SQLite in home]")
 ]
+SummaryJsonOption = Annotated[
+    Path | None, typer.Option("--summary-json", help="Also write the result here, as JSON.")
+]
 VerboseOption = Annotated[
     bool, typer.Option("--verbose", "-v", help="Log lines on the console, not only in the log")
 ]
@@ -165,9 +168,7 @@ def run(
     lobster: Annotated[
         Path | None, typer.Option(help="Folder or file of LOBSTER data; default: synthetic.")
     ] = None,
-    summary_json: Annotated[
-        Path | None, typer.Option("--summary-json", help="Also write the summary here.")
-    ] = None,
+    summary_json: SummaryJsonOption = None,
     params: Annotated[
         Path | None,
         typer.Option(help="JSON file of research parameters (the flow's form, as JSON)."),
@@ -285,9 +286,7 @@ def reproduce(
     models: Annotated[
         bool, typer.Option("--models/--nodes-only", help="Also re-train the model and replay")
     ] = True,
-    summary_json: Annotated[
-        Path | None, typer.Option("--summary-json", help="Also write the report here.")
-    ] = None,
+    summary_json: SummaryJsonOption = None,
     home: HomeOption = None,
     tracking_uri: TrackingUriOption = None,
     verbose: VerboseOption = False,
@@ -355,9 +354,7 @@ def verify(
     repair: Annotated[
         bool, typer.Option("--repair/--check-only", help="Drop damaged outputs from the cache")
     ] = True,
-    summary_json: Annotated[
-        Path | None, typer.Option("--summary-json", help="Also write the report here.")
-    ] = None,
+    summary_json: SummaryJsonOption = None,
     home: HomeOption = None,
     verbose: VerboseOption = False,
 ) -> None:
@@ -387,9 +384,7 @@ def promote(
     run: RunArgument,
     horizon: Annotated[str, typer.Option(help="Mark-out horizon the gate compares")] = "5s",
     sample: Annotated[int, typer.Option(help="Feature nodes the reproduction gate re-runs")] = 20,
-    summary_json: Annotated[
-        Path | None, typer.Option("--summary-json", help="Also write the decision here.")
-    ] = None,
+    summary_json: SummaryJsonOption = None,
     home: HomeOption = None,
     tracking_uri: TrackingUriOption = None,
     verbose: VerboseOption = False,
@@ -443,9 +438,7 @@ def retrain(
         int | None,
         typer.Option(help="Newest landed trading days to use [default: as many as the version's]"),
     ] = None,
-    summary_json: Annotated[
-        Path | None, typer.Option("--summary-json", help="Also write the summary here.")
-    ] = None,
+    summary_json: SummaryJsonOption = None,
     home: HomeOption = None,
     tracking_uri: TrackingUriOption = None,
     verbose: VerboseOption = False,
@@ -495,9 +488,7 @@ def backtest(
         str, typer.Option(help="auto (a GPU when the site has one), cpu or cuda")
     ] = "auto",
     shard_size: Annotated[int, typer.Option(help="Backtest nodes per Prefect task")] = 10_000,
-    summary_json: Annotated[
-        Path | None, typer.Option("--summary-json", help="Also write the summary here.")
-    ] = None,
+    summary_json: SummaryJsonOption = None,
     home: HomeOption = None,
     tracking_uri: TrackingUriOption = None,
     verbose: VerboseOption = False,

@@ -34,15 +34,6 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
-MLFLOW_AUTH_INI = """[mlflow]
-default_permission = READ
-database_uri = sqlite:///{db}
-admin_username = {user}
-authorization_function = mlflow.server.auth:authenticate_request_basic_auth
-grant_default_workspace_access = false
-"""
-
-
 @contextlib.contextmanager
 def mlflow_server(
     folder: Path, credentials: tuple[str, str] | None = None, port: int | None = None
@@ -59,6 +50,8 @@ def mlflow_server(
     if credentials is not None:
         user, password = credentials
         ini = folder / "auth.ini"
+        from quantloop.serve import MLFLOW_AUTH_INI  # the one `quantloop serve` writes
+
         ini.write_text(MLFLOW_AUTH_INI.format(db=folder / "auth.db", user=user))
         env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_PASSWORD=password,
                    MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex())  # fmt: skip
