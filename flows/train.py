@@ -30,7 +30,6 @@ from quantloop.tasks.stage import (
     keyed_output,
     output_key,
     plan_features,
-    read_outputs,
 )
 from quantloop.tasks.training import (
     TrainConfig,
@@ -107,20 +106,11 @@ def device_type(name: str) -> str:
     return resolve_device(name).type
 
 
-def fit(stage: StageParams, config: TrainConfig, plan: Plan,
-        outputs: dict[Partition, FeatureOutput]) -> tuple[TrainResult, str]:  # fmt: skip
-    """Read the feature outputs and train; returns the result and where it ran (the Dask
-    worker's address, or "" in the flow's process)."""
-    try:
-        from distributed import get_worker
-
-        where = get_worker().address
-    except ValueError:  # not in a Dask worker
-        where = ""
-    tables = read_outputs(stage, outputs)
-    return trainer.train_on_features(
-        tables, stage.features, stage.holdout_fraction, config, plan
-    ), where
+def own_process(config: TrainConfig) -> bool:
+    """Training on a CUDA device leaves the flow's process (profiling.trainer.
+    fit_in_own_process says why); on a CPU a step takes long enough that the flow's
+    threads cost little, and the spawn (~3 s importing torch) would not pay."""
+    return resolve_device(config.device).type == "cuda"
 
 
 @flow(name="train")
@@ -158,12 +148,19 @@ def _train(stage, config, parent_run_id, outputs, site, stack, logger) -> TrainS
     ran_at = {"site": gpu[0].name if gpu else site.name, "worker": ""}
 
     def fit_now() -> TrainResult:
-        if gpu is None:
-            result, _ = fit(stage, config, plan, outputs)
-            return result
-        logger.info("training on site %s (a worker with the GPU resource)", gpu[0].name)
-        done = gpu[1].submit(fit, stage, config, plan, outputs, resources={GPU: 1}, pure=False)
-        result, ran_at["worker"] = done.result()
+        if gpu is not None:
+            logger.info("training on site %s (a worker with the GPU resource)", gpu[0].name)
+            done = gpu[1].submit(trainer.fit_stage, stage, config, plan, outputs,
+                                 resources={GPU: 1}, pure=False)  # fmt: skip
+            result, ran_at["worker"] = done.result()
+        elif own_process(config):
+            logger.info("training in a process of its own (the flow's threads would stall "
+                        "its GPU steps)")  # fmt: skip
+            result, ran_at["worker"] = trainer.fit_in_own_process(
+                trainer.fit_stage, stage, config, plan, outputs
+            )
+        else:
+            result, _ = trainer.fit_stage(stage, config, plan, outputs)
         return result
 
     # load checks the weights against their stored digest

@@ -104,11 +104,15 @@ class DamagedOutputs(RuntimeError):
 
     def __init__(self, damaged: dict[str, str], labels: dict[str, str]):
         self.damaged = damaged  # key -> "corrupt" or "missing"
+        self.labels = labels
         shown = ", ".join(f"{labels[k]} ({r})" for k, r in list(damaged.items())[:5])
         super().__init__(
             f"{len(damaged)} stored feature outputs were damaged and are dropped from the "
             f"cache (e.g. {shown}); the features stage recomputes them"
         )
+
+    def __reduce__(self):  # raised in a training process of its own, re-raised in the flow
+        return type(self), (self.damaged, self.labels)
 
 
 def read_outputs(
