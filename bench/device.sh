@@ -5,6 +5,9 @@
 #                                            on the ladder's workload shape, then bulk
 #                                            inference eager vs fast, then (time left) rung 11
 #   bash bench/device.sh ddp OUT COMMIT      two (or more) H200s: bench/ddp.py
+#   bash bench/device.sh research OUT COMMIT one H200: `quantloop run` only, `auto` reading
+#                                            the committed ladder result; twice, on two
+#                                            fresh homes (the spread of a cold run)
 #
 # The machine has torch, Triton, numpy, pyarrow ... but not Prefect, MLflow or Dask: their
 # wheels (and quantloop's, built from COMMIT) travel in WHEELS (default ../.whl) and are
@@ -51,6 +54,26 @@ if [ "$stage" = ddp ]; then
     { run 1 --work /tmp/ddp-nograph --switches $sw \
         && run "$n" --work /tmp/ddp-nograph --switches $sw; } 2>&1 | tee -a "$out/ddp.log"
   fi
+  exit 0
+fi
+
+if [ "$stage" = research ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+  echo "== wheels installed at $((SECONDS - start)) s"
+  params=$(realpath "$params")
+  for i in 1 2; do
+    home=/tmp/qhome-$i
+    mkdir -p $home/ladder && cp bench/results/ladder-h200.json $home/ladder/ladder.json
+    (cd /tmp && timeout 240 python3 -P -m quantloop.cli run --params $params --home $home \
+      --summary-json "$out/research-h200-$i.json" > /tmp/research-$i.log 2>&1)
+    echo "== research $i rc $? at $((SECONDS - start)) s"; tail -12 /tmp/research-$i.log
+    grep -h "process of its own\|trained on" $home/logs/*.log | tail -3
+  done
+  tar czf "$out/mlflow-h200.tar.gz" -C /tmp/qhome-1 --exclude='*/trace/*' mlflow.db mlartifacts
+  for f in /tmp/research-*.log /tmp/qhome-*/logs/*.log; do echo "===== $f"; cat "$f"; done \
+    > "$out/run.log"
   exit 0
 fi
 
