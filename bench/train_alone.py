@@ -4,11 +4,10 @@
 
 Builds the research run's training days (the same synthetic days and features the flow
 lands and computes) and trains them with profiling.trainer in a bare process: no Prefect
-API, no Dask scheduler, no progress bars. Then with one Python thread spinning
-beside it (a stand-in for the flow process's other threads: the step's host work, the
-loader thread's packing and the graph launch, needs the GIL once per step), at Python's
-default switch interval and at 0.5 ms. Writes
-<out>/train-alone-h200.json.
+API, no Dask scheduler, no progress bars; in a process spawned for it (what the train
+stage does on CUDA); and with one Python thread spinning beside it (a stand-in for the
+flow process's other threads: the step's host work, the loader thread's packing and the
+graph launch, needs the GIL once per step). Writes <out>/train-alone-h200.json.
 """
 
 from __future__ import annotations
@@ -28,7 +27,11 @@ use_checkout()
 import torch  # noqa: E402
 
 from quantloop.profiling.proof import plan_rungs  # noqa: E402
-from quantloop.profiling.trainer import train_applied, training_set  # noqa: E402
+from quantloop.profiling.trainer import (  # noqa: E402
+    fit_in_own_process,
+    train_applied,
+    training_set,
+)
 from quantloop.tasks.features import FeatureParams, compute_features, feature_set  # noqa: E402
 from quantloop.tasks.synthetic import SyntheticConfig, generate_day  # noqa: E402
 from quantloop.tasks.train_config import TrainConfig  # noqa: E402
@@ -38,10 +41,15 @@ RUNGS = ("compile", "bf16", "device_metrics", "fused_kernel", "streams", "cudagr
          "flex_attention", "flat_grads")  # fmt: skip
 
 
+def fit(tables, inputs, labels, cfg, plan):  # module level: a spawned process imports it
+    return train_applied(tables, inputs, labels, cfg, plan), ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default="alone,own_process,alone")
     args = ap.parse_args()
     params = json.loads(Path(args.params).read_text())
     synth = SyntheticConfig(**params["data"]["synthetic"])
@@ -60,31 +68,28 @@ def main() -> None:
     work = training_set(data, packing=True)
     out = {"pack_rows": work.pack_rows, "mean_window": float(work.train.lengths.mean()),
            "windows": len(work.train), "rungs": list(plan.rungs)}  # fmt: skip
-    # The unknowns first (a device call has a time limit): a spinning thread at Python's
-    # default switch interval (5 ms), then with a 0.5 ms interval (a thread waiting for
-    # the GIL gets it back 10x sooner), then alone.
-    default_interval = sys.getswitchinterval()
-    variants = (("one_spinning_thread", True, default_interval),
-                ("one_spinning_thread_switch_0.5ms", True, 0.0005),
-                ("alone", False, default_interval))  # fmt: skip
-    for label, spin, interval in variants:
+    # Variants, in the order given: "alone" (this bare process), "own_process" (a
+    # process spawned for the fit, as flows/train.py does on CUDA), "spinning" (one pure
+    # Python thread beside the training, holding the GIL for its 5 ms switch interval).
+    for i, label in enumerate(args.variants.split(",")):
         stop = threading.Event()
-        if spin:
+        if label == "spinning":
 
             def busy(stop: threading.Event = stop) -> None:
                 x = 0
-                while not stop.is_set():  # pure Python: holds the GIL for its switch interval
+                while not stop.is_set():
                     x += 1
 
             threading.Thread(target=busy, daemon=True).start()
-        sys.setswitchinterval(interval)
-        r = train_applied(tables, fs.inputs, fs.labels, cfg, plan)
+        if label == "own_process":
+            r, _ = fit_in_own_process(fit, tables, fs.inputs, fs.labels, cfg, plan)
+        else:
+            r, _ = fit(tables, fs.inputs, fs.labels, cfg, plan)
         stop.set()
-        sys.setswitchinterval(default_interval)
-        out[label] = {"steady_samples_per_s": r.steady_samples_per_s, "step_ms": r.step_ms,
-                      "gpu_util": r.gpu_util, "warmup_s": r.warmup_s,
-                      "switch_interval_s": interval}  # fmt: skip
-        print(label, out[label], flush=True)
+        out[f"{i}_{label}"] = {"steady_samples_per_s": r.steady_samples_per_s, "step_ms": r.step_ms,
+                              "gpu_util": r.gpu_util, "warmup_s": r.warmup_s,
+                              "model_digest": r.model_digest}  # fmt: skip
+        print(label, out[f"{i}_{label}"], flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)  # what is done survives a time limit
         (Path(args.out) / "train-alone-h200.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out), flush=True)
