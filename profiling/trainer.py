@@ -14,6 +14,7 @@ from CUDA events, as the ladder measures its rungs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -21,7 +22,7 @@ import os
 import pickle
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -69,6 +70,26 @@ RUNG_CODE = (
     precision, workload,
 )  # fmt: skip
 MAX_WARMUP_STEPS = 25  # compile and capture happen here; the ladder warms up as long
+
+
+# Python's GIL switch interval while a CUDA training runs (None: Python's 5 ms left
+# alone). A thread that wants the GIL waits up to this long for the one that holds it:
+# the launch of a ~2 ms step waits behind the loader thread or any other.
+_gil = os.environ.get("QUANTLOOP_GIL_SWITCH_S")
+GIL_SWITCH_S: float | None = float(_gil) if _gil else None
+
+
+@contextlib.contextmanager
+def gil_switch(seconds: float | None) -> Iterator[None]:
+    if seconds is None:
+        yield
+        return
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
 
 def warmup_steps(steps: int) -> int:
@@ -216,7 +237,11 @@ def train_prepared(
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     try:
-        with apply_precision(device, enabled=sw.bf16), torch_threads(cfg.num_threads):
+        with (
+            apply_precision(device, enabled=sw.bf16),
+            torch_threads(cfg.num_threads),
+            gil_switch(GIL_SWITCH_S if cuda else None),
+        ):
             timer.start()
             for step in range(cfg.steps):
                 if step == W:
