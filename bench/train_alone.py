@@ -4,10 +4,10 @@
 
 Builds the research run's training days (the same synthetic days and features the flow
 lands and computes) and trains them with profiling.trainer in a bare process: no Prefect
-API, no Dask scheduler, no progress bars; in a process spawned for it (what the train
-stage does on CUDA); and with one Python thread spinning beside it (a stand-in for the
-flow process's other threads: the step's host work, the loader thread's packing and the
-graph launch, needs the GIL once per step). Writes <out>/train-alone-h200.json.
+API, no Dask scheduler, no progress bars; and with one Python thread spinning beside it
+(a stand-in for the flow process's other threads: the step's host work, the loader
+thread's packing and the graph launch, needs the GIL once per step).
+Writes <out>/train-alone-h200.json.
 """
 
 from __future__ import annotations
@@ -27,11 +27,7 @@ use_checkout()
 import torch  # noqa: E402
 
 from quantloop.profiling.proof import plan_rungs  # noqa: E402
-from quantloop.profiling.trainer import (  # noqa: E402
-    fit_in_own_process,
-    train_applied,
-    training_set,
-)
+from quantloop.profiling.trainer import train_applied, training_set  # noqa: E402
 from quantloop.tasks.features import FeatureParams, compute_features, feature_set  # noqa: E402
 from quantloop.tasks.synthetic import SyntheticConfig, generate_day  # noqa: E402
 from quantloop.tasks.train_config import TrainConfig  # noqa: E402
@@ -41,15 +37,11 @@ RUNGS = ("compile", "bf16", "device_metrics", "fused_kernel", "streams", "cudagr
          "flex_attention", "flat_grads")  # fmt: skip
 
 
-def fit(tables, inputs, labels, cfg, plan):  # module level: a spawned process imports it
-    return train_applied(tables, inputs, labels, cfg, plan), ""
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", default="alone,own_process,alone")
+    ap.add_argument("--variants", default="alone")
     args = ap.parse_args()
     params = json.loads(Path(args.params).read_text())
     synth = SyntheticConfig(**params["data"]["synthetic"])
@@ -68,9 +60,8 @@ def main() -> None:
     work = training_set(data, packing=True)
     out = {"pack_rows": work.pack_rows, "mean_window": float(work.train.lengths.mean()),
            "windows": len(work.train), "rungs": list(plan.rungs)}  # fmt: skip
-    # Variants, in the order given: "alone" (this bare process), "own_process" (a
-    # process spawned for the fit, as flows/train.py does on CUDA), "spinning" (one pure
-    # Python thread beside the training, holding the GIL for its 5 ms switch interval).
+    # Variants, in the order given: "alone" (this bare process), "spinning" (one pure
+    # Python thread beside the training, holding the GIL for its switch interval).
     for i, label in enumerate(args.variants.split(",")):
         stop = threading.Event()
         if label == "spinning":
@@ -81,10 +72,7 @@ def main() -> None:
                     x += 1
 
             threading.Thread(target=busy, daemon=True).start()
-        if label == "own_process":
-            r, _ = fit_in_own_process(fit, tables, fs.inputs, fs.labels, cfg, plan)
-        else:
-            r, _ = fit(tables, fs.inputs, fs.labels, cfg, plan)
+        r = train_applied(tables, fs.inputs, fs.labels, cfg, plan)
         stop.set()
         out[f"{i}_{label}"] = {"steady_samples_per_s": r.steady_samples_per_s, "step_ms": r.step_ms,
                               "gpu_util": r.gpu_util, "warmup_s": r.warmup_s,

@@ -106,13 +106,6 @@ def device_type(name: str) -> str:
     return resolve_device(name).type
 
 
-def own_process(config: TrainConfig) -> bool:
-    """Training on a CUDA device leaves the flow's process (profiling.trainer.
-    fit_in_own_process says why); on a CPU a step takes long enough that the flow's
-    threads cost little, and the spawn (~3 s importing torch) would not pay."""
-    return resolve_device(config.device).type == "cuda"
-
-
 @flow(name="train")
 def train(
     stage: StageParams = StageParams(),
@@ -153,12 +146,6 @@ def _train(stage, config, parent_run_id, outputs, site, stack, logger) -> TrainS
             done = gpu[1].submit(trainer.fit_stage, stage, config, plan, outputs,
                                  resources={GPU: 1}, pure=False)  # fmt: skip
             result, ran_at["worker"] = done.result()
-        elif own_process(config):
-            logger.info("training in a process of its own (the flow's threads would stall "
-                        "its GPU steps)")  # fmt: skip
-            result, ran_at["worker"] = trainer.fit_in_own_process(
-                trainer.fit_stage, stage, config, plan, outputs
-            )
         else:
             result, _ = trainer.fit_stage(stage, config, plan, outputs)
         return result

@@ -15,22 +15,16 @@ from CUDA events, as the ladder measures its rungs.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
-import multiprocessing
 import os
-import pickle
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from quantloop.models.orderbook import ModelConfig, OrderBookNet
+from quantloop.models.orderbook import ModelConfig
 from quantloop.profiling import (
     compile,
     cudagraph,
@@ -72,11 +66,15 @@ RUNG_CODE = (
 MAX_WARMUP_STEPS = 25  # compile and capture happen here; the ladder warms up as long
 
 
-# Python's GIL switch interval while a CUDA training runs (None: Python's 5 ms left
-# alone). A thread that wants the GIL waits up to this long for the one that holds it:
-# the launch of a ~2 ms step waits behind the loader thread or any other.
-_gil = os.environ.get("QUANTLOOP_GIL_SWITCH_S")
-GIL_SWITCH_S: float | None = float(_gil) if _gil else None
+# Python's GIL switch interval while a CUDA training runs. A thread that wants the GIL
+# waits up to this long for the one holding it, and a step of ~2 ms is launched by the
+# main thread beside the loader thread, the flow's Prefect and Dask threads, the GPU
+# sampler: at Python's 5 ms, each handover can cost more than a step. Measured on one
+# H200 (bench/results/research-modes-h200.json): 110,731 samples/s at 0.5 ms against
+# 102,730 at 5 ms, one cold run each. QUANTLOOP_GIL_SWITCH_S overrides ("default":
+# Python's own).
+_gil = os.environ.get("QUANTLOOP_GIL_SWITCH_S", "0.0005")
+GIL_SWITCH_S: float | None = None if _gil == "default" else float(_gil)
 
 
 @contextlib.contextmanager
@@ -117,64 +115,16 @@ def fit_stage(
     outputs: Mapping[Partition, FeatureOutput],
 ) -> tuple[TrainResult, str]:
     """Read the feature outputs and train: the train stage's work, wherever it runs.
-    Returns the result and where it ran: the Dask worker's address, "process <pid>" in
-    a process of its own (fit_in_own_process), or "" in the flow's process."""
+    Returns the result and where it ran: the Dask worker's address, or "" in the flow's
+    process."""
     try:
         from distributed import get_worker
 
         where = get_worker().address
     except ValueError:  # not in a Dask worker
-        where = f"process {os.getpid()}" if multiprocessing.parent_process() else ""
+        where = ""
     tables = read_outputs(stage, outputs)
     return train_on_features(tables, stage.features, stage.holdout_fraction, config, plan), where
-
-
-def fit_in_own_process(
-    fit: Callable[..., tuple[TrainResult, str]], *args: Any
-) -> tuple[TrainResult, str]:
-    """fit(*args) (fit_stage, say) in a fresh process spawned for it, which runs no
-    thread but its own; `fit` returns the result and where it ran.
-
-    Why: with the whole-step CUDA graph a step is ~1.7 ms of GPU work that Python has to
-    launch; the flow's process runs Prefect's and Dask's threads (API client, log
-    shipping, the event loop), and each time one of them holds the GIL the next launch
-    waits for it, up to the 5 ms switch interval. Measured on one H200, the same training
-    ran at 109,371 samples/s inside the flow's process and 137,960 alone.
-
-    The weights come back as a CPU state dict (a CUDA tensor sent between processes is
-    a handle into the sender's memory, gone when it exits) and are loaded into a model
-    built here; the digest was taken where they were trained."""
-    # spawned, not forked: a fork would copy the threads' locks, held or not
-    context = multiprocessing.get_context("spawn")
-    log_files = [h.baseFilename for h in logging.getLogger().handlers
-                 if isinstance(h, logging.FileHandler)]  # fmt: skip
-    with ProcessPoolExecutor(1, mp_context=context, initializer=_log_to,
-                             initargs=(log_files,)) as pool:  # fmt: skip
-        packed, where = pool.submit(_fit_packed, fit, *args).result()
-    state, result = pickle.loads(packed)
-    model = OrderBookNet(result.model_config)
-    model.load_state_dict(state)
-    return dataclasses.replace(result, model=model.eval()), where
-
-
-def _log_to(paths: list[str]) -> None:
-    """The child's records go to the run's log file, like the flow's own."""
-    for path in paths:
-        handler = logging.FileHandler(path)
-        handler.setLevel(logging.INFO)
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)-7s %(name)s - %(message)s")
-        )
-        logging.getLogger().addHandler(handler)
-        logging.getLogger("quantloop").setLevel(logging.INFO)
-    if paths:
-        logging.captureWarnings(True)  # torch's warnings too, not the console
-
-
-def _fit_packed(fit: Callable[..., tuple[TrainResult, str]], *args: Any) -> tuple[bytes, str]:
-    result, where = fit(*args)
-    state = {k: v.detach().cpu() for k, v in result.model.state_dict().items()}
-    return pickle.dumps((state, dataclasses.replace(result, model=None))), where
 
 
 def train_on_features(

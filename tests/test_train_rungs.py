@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import numpy as np
 import pytest
@@ -25,12 +24,11 @@ from quantloop.profiling.loop import model_config
 from quantloop.profiling.packing import FlexMask, PackedNet, window_blocks
 from quantloop.profiling.proof import plan_rungs, proof_from_result
 from quantloop.profiling.rungs import RUNGS
-from quantloop.profiling.trainer import fit_in_own_process, train_applied
+from quantloop.profiling.trainer import train_applied
 from quantloop.profiling.workload import build_workload, packed_batch
 from quantloop.tasks.train_config import OPTIMIZATIONS, TrainConfig
 from quantloop.tasks.training import (
     load_model,
-    model_digest,
     predict,
     save_model,
     train,
@@ -140,23 +138,6 @@ def test_none_is_the_plain_loop_bit_for_bit():
     if (torch.__version__, torch.backends.cpu.get_cpu_capability()) != ("2.13.0+cpu", "AVX512"):
         pytest.skip("PLAIN_DIGEST was recorded with torch 2.13.0+cpu on AVX512")
     assert plain.model_digest == PLAIN_DIGEST  # the same weights as before the trainer
-
-
-def fit_here(tables, cfg, plan):  # module level: the spawned process imports it by name
-    return train_applied(tables, INPUTS, LABELS, cfg, plan), str(os.getpid())
-
-
-def test_training_in_a_process_of_its_own_trains_the_same_weights():
-    """What a CUDA training does (flows/train.py): fit in a spawned process; the weights
-    come back through a CPU state dict, bit for bit, with the rest of the result."""
-    cfg = TrainConfig(**SMALL)
-    plan = plan_rungs(("device_metrics", "packing"), CPU)
-    here, pid = fit_here(TABLES, cfg, plan)
-    there, where = fit_in_own_process(fit_here, TABLES, cfg, plan)
-    assert where != pid  # it did run elsewhere
-    assert model_digest(there.model) == there.model_digest == here.model_digest
-    assert there.loss_curve == here.loss_curve and there.rungs == here.rungs
-    assert not there.model.training  # ready to predict, like the in-process result
 
 
 @pytest.mark.parametrize(
