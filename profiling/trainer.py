@@ -69,10 +69,10 @@ MAX_WARMUP_STEPS = 25  # compile and capture happen here; the ladder warms up as
 # Python's GIL switch interval while a CUDA training runs. A thread that wants the GIL
 # waits up to this long for the one holding it, and a step of ~2 ms is launched by the
 # main thread beside the loader thread, the flow's Prefect and Dask threads, the GPU
-# sampler: at Python's 5 ms, each handover can cost more than a step. Measured on one
-# H200 (bench/results/research-modes-h200.json): 110,731 samples/s at 0.5 ms against
-# 102,730 at 5 ms, one cold run each. QUANTLOOP_GIL_SWITCH_S overrides ("default":
-# Python's own).
+# sampler: at Python's 5 ms, each handover can cost more than a step. Measured on
+# H200s (bench/results/research-modes-h200.json, cold research runs): 110,731 samples/s
+# at 0.5 ms against 102,730 at 5 ms on one machine; 94,170 and 83,462 against 80,515 on
+# another. QUANTLOOP_GIL_SWITCH_S overrides ("default": Python's own).
 _gil = os.environ.get("QUANTLOOP_GIL_SWITCH_S", "0.0005")
 GIL_SWITCH_S: float | None = None if _gil == "default" else float(_gil)
 
