@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+
+from distributed.diagnostics.plugin import SchedulerPlugin
 
 
 def free_port() -> int:
@@ -322,3 +325,29 @@ def dask_site(
             _stop(proc)
         for log in logs:
             log.close()
+
+
+class KillWorkerGiven(SchedulerPlugin):
+    """A Dask scheduler plugin: SIGKILLs the worker process that the scheduler gives a
+    task of `prefix` to, as it is given (before the worker has it), the first `times`
+    times: a worker lost mid-run, at a known moment. `killed`: those workers' pids."""
+
+    name = "kill-worker-given"
+
+    def __init__(self, prefix: str, times: int = 1):
+        self.prefix, self.times = prefix, times
+        self.killed: list[int] = []
+        self.scheduler = None
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        from dask.utils import key_split
+
+        if len(self.killed) >= self.times or finish != "processing":
+            return
+        worker = self.scheduler.tasks[key].processing_on
+        if key_split(key) == self.prefix and worker is not None and worker.pid:
+            self.killed.append(worker.pid)
+            os.kill(worker.pid, signal.SIGKILL)

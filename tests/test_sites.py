@@ -6,14 +6,18 @@ What placement must do: under `node` every feature node runs on the cluster of t
 site holding its input and no input byte crosses sites; under `single:A` everything
 runs at A and exactly B's input bytes cross; the outputs are a one-site run's, bit for
 bit; an unreachable scheduler fails the run naming the site, or (on_unreachable
-"replica") its nodes run where a replica is.
+"replica") its nodes run where a replica is; a worker killed as it is given a batch is
+replaced by its nanny and the batch runs again.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import os
 import uuid
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import s3fs
 
@@ -22,10 +26,11 @@ from quantloop.flows.features import features
 from quantloop.flows.replicate import replicate as replicate_flow
 from quantloop.flows.train import train
 from quantloop.tasks import storage
-from quantloop.tasks.engine import NoCopyReachable
+from quantloop.tasks.engine import BatchFailed, NoCopyReachable, NodeStore
+from quantloop.tasks.features import FeatureParams
 from quantloop.tasks.landing import land_synthetic
 from quantloop.tasks.replicate import replicate
-from quantloop.tasks.stage import StageParams, feature_outputs
+from quantloop.tasks.stage import StageParams, feature_outputs, plan_features
 from quantloop.tasks.synthetic import SyntheticConfig
 from quantloop.tasks.training import TrainConfig
 from quantloop.tasks.workspace import Selection, Workspace
@@ -182,6 +187,61 @@ def test_an_unreachable_scheduler_fails_naming_the_site_or_uses_a_replica(prefec
     # And with both up, the cheaper site (A) holds every input: all run there.
     cheap = features(stage_of(ws))
     assert {(r["site"], r["input_site"]) for r in rows_of(cheap)} == {("A", "A")}
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_worker_killed_mid_run_is_replaced_and_a_batch_that_keeps_killing_fails_naming_the_site(
+    prefect_api, two_sites
+):
+    """B's worker process is SIGKILLed as its scheduler hands it the run's first batch:
+    its nanny starts a new worker, the scheduler gives the batch to that one, and the
+    run ends with every node computed once, at the site holding its input. A batch
+    whose every worker dies (Dask gives up after 3 retries) fails the run naming B."""
+    from distributed import Client
+
+    ws = two_sites
+    with Client(ws.sites[0].scheduler_address, timeout="10s") as client:
+
+        def run_killing(times: int, stage: StageParams, killed: list[int]):
+            plugin = servers.KillWorkerGiven(BATCH_PREFIX, times)
+            before = set(client.run(os.getpid).values())
+            client.register_plugin(plugin)
+            try:
+                return features(stage)
+            finally:
+                killed += client.run_on_scheduler(
+                    lambda dask_scheduler: dask_scheduler.plugins["kill-worker-given"].killed
+                )
+                client.unregister_scheduler_plugin(plugin.name)
+                client.wait_for_workers(1, timeout=60)
+                assert killed and killed[0] in before
+                assert not set(killed) & set(client.run(os.getpid).values())  # new ones
+
+        killed: list[int] = []
+        placed = run_killing(1, stage_of(ws), killed)
+        assert len(killed) == 1
+        assert (placed.nodes, placed.computed, placed.failed) == (8, 8, 0)
+        rows = rows_of(placed)
+        assert len({r["key"] for r in rows}) == 8
+        assert {r["site"] for r in rows if r["product"] in AT_B} == {"B"}
+        for r in rows:  # each output is whole: it reads back and matches its digest
+            blob = storage.Blob(r["output_url"], r["output_offset"], r["output_length"],
+                                r["output_digest"])  # fmt: skip
+            assert storage.read_table(blob).num_rows == r["rows"] > 0
+
+        # New feature parameters (new keys): B's batches now kill every worker they are
+        # given; Dask gives a task up when its 4th worker dies (allowed-failures: 3).
+        other = stage_of(ws).model_copy(update={"features": FeatureParams(ofi_window=20)})
+        killed = []
+        with pytest.raises(BatchFailed, match="site B: .*KilledWorker"):
+            run_killing(100, other, killed)
+        assert len(killed) >= 4
+    # Nothing of B's half was kept: no index entry a later run could take for an output.
+    plan = plan_features(other)
+    at_b = plan.nodes.filter(pc.is_in(plan.nodes["product"], value_set=pa.array(AT_B)))
+    assert at_b.num_rows == 4
+    assert NodeStore(ws.sites[0].root).existing(plan.kind.name, at_b).num_rows == 0
 
 
 def test_a_replica_whose_source_bytes_are_bad_is_not_recorded(tmp_path):

@@ -190,6 +190,11 @@ def check_outputs(rows: pa.Table) -> dict[str, str]:
     return bad
 
 
+class BatchFailed(RuntimeError):
+    """A batch task failed as a whole on a site's cluster (its workers kept dying, the
+    store could not be written): node failures are recorded per node instead."""
+
+
 class _Batches:
     """Batches in flight on a Dask cluster (or run in-process without a client, each
     when the iteration reaches it); iterating yields manifest rows as batches finish,
@@ -236,7 +241,14 @@ class _Batches:
             return
         for future in self._running:
             self._done.append(self._number[future.key])
-            yield future.result()
+            try:
+                rows = future.result()
+            except Exception as exc:  # the batch's task itself failed, not a node in it
+                raise BatchFailed(
+                    f"site {self.site}: a batch of {self.kind.name} nodes failed on the "
+                    f"site's cluster: {type(exc).__name__}: {exc}"
+                ) from exc
+            yield rows
 
     def in_order(self, finished: list[pa.Table]) -> list[pa.Table]:
         """The batches' rows (given in the order they finished) in submission order."""
