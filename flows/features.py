@@ -276,7 +276,7 @@ def record(
                 "output_rows": summary.output_rows,
                 "output_bytes": summary.output_bytes,
                 **{f"recomputed.{k}": v for k, v in summary.reasons.items()},
-                **placement_metrics(summary),
+                **placement_metrics(summary.sites),
             }
         )
         for url in records.parts():
@@ -296,13 +296,14 @@ def record(
         return run.run_id
 
 
-def placement_metrics(summary: RunSummary) -> dict[str, float]:
-    """What crossed sites and what each site's compute cost, as MLflow metrics."""
-    metrics = {"bytes_across_sites": summary.bytes_across,
-               "cost": sum(c["cost"] for c in summary.sites.values())}  # fmt: skip
-    for name, c in summary.sites.items():
-        for field in ("nodes", "computed", "compute_s", "bytes_across", "cost"):
-            metrics[f"site.{name}.{field}"] = c[field]
+def placement_metrics(sites: dict[str, dict]) -> dict[str, float]:
+    """What crossed sites and what each site's compute cost, as MLflow metrics (sites: a
+    features run's per-site counts, or a research run's, which add train_s/simulate_s)."""
+    metrics = {"bytes_across_sites": sum(c["bytes_across"] for c in sites.values()),
+               "cost": sum(c["cost"] for c in sites.values())}  # fmt: skip
+    for name, c in sites.items():
+        for field, value in c.items():
+            metrics[f"site.{name}.{field}"] = value
     return metrics
 
 

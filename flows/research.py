@@ -237,6 +237,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                     feats = features_flow(stage, shard_size=params.shard_size,
                                           parent_run_id=parent.run_id)  # fmt: skip
         wall_s = time.perf_counter() - t0
+        sites = site_counts(ws, feats, trained, sim)
         parent.tags({"model_digest": trained.model_digest})
         if trained.model_version:
             parent.tags({"registered_model": trained.registered_model,
@@ -251,7 +252,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 "trades": sim.trades,
                 **{f"markout_bps.{h}": v for h, v in sim.markout_bps.items()},
                 **{f"baseline_markout_bps.{h}": v for h, v in sim.baseline_markout_bps.items()},
-                **placement_metrics(feats),
+                **placement_metrics(sites),
             }
         )
         run_id = parent.run_id
@@ -298,9 +299,9 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         inference_mode=sim.inference_mode,
         inference_samples_per_s=sim.inference_samples_per_s,
         placement=feats.placement,
-        bytes_across_sites=feats.bytes_across,
-        cost=sum(c["cost"] for c in feats.sites.values()),
-        sites=feats.sites,
+        bytes_across_sites=sum(c["bytes_across"] for c in sites.values()),
+        cost=sum(c["cost"] for c in sites.values()),
+        sites=sites,
     )
     links = {
         name: mlflow_link(tracking_block, experiment, rid)
@@ -314,6 +315,30 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     )
     logger.info("research done in %.1f s; MLflow run %s", summary.wall_s, run_id)
     return summary
+
+
+def site_counts(ws, feats, trained, sim) -> dict[str, dict]:
+    """Per site: the feature nodes' counts, then training's and simulation's seconds
+    there (train_s: the training loop; simulate_s: the replay) and the bytes they read
+    from other sites; cost is all of those seconds x the site's cost_per_hour."""
+    per_hour = {s.name: s.cost_per_hour for s in ws.resolve_sites()}
+    sites = {name: {**counts, "train_s": 0.0, "simulate_s": 0.0}
+             for name, counts in feats.sites.items()}  # fmt: skip
+    stages = (
+        ("train_s", trained.site, None if trained.cache_hit else trained.duration_s,
+         trained.bytes_across),
+        ("simulate_s", sim.site, sim.compute_s, sim.bytes_across),
+    )  # fmt: skip
+    for field, name, seconds, across in stages:
+        if not name or (seconds is None and not across):
+            continue
+        counts = sites.setdefault(name, {"nodes": 0, "computed": 0, "compute_s": 0.0,
+                                         "bytes_across": 0, "cost": 0.0, "train_s": 0.0,
+                                         "simulate_s": 0.0})  # fmt: skip
+        counts[field] += seconds or 0.0
+        counts["bytes_across"] += across
+        counts["cost"] += (seconds or 0.0) * per_hour.get(name, 0.0) / 3600.0
+    return sites
 
 
 def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:

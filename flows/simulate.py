@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import asdict
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
-from quantloop.profiling import inference
+from quantloop.profiling import inference, replay
 from quantloop.tasks import plots, progress, simulation, storage, tracking, training
 from quantloop.tasks.engine import code_fingerprint
 from quantloop.tasks.form import SimForm
 from quantloop.tasks.simulation import (
     SimConfig,
     paired_difference,
-    replay_all,
     split_markouts,
     stack_markouts,
     summarize,
 )
-from quantloop.tasks.stage import (
-    StageParams,
-    feature_outputs,
-    keyed_output,
-    output_key,
-    read_outputs,
-)
-from quantloop.tasks.training import load_model
+from quantloop.tasks.sites import GPU, gpu_client
+from quantloop.tasks.stage import StageParams, feature_outputs, keyed_output, output_key
 
 
 class SimSummary(BaseModel):
@@ -43,6 +38,10 @@ class SimSummary(BaseModel):
     mlflow_run_id: str | None = None
     inference_mode: str | None = None  # "eager", or the rungs the fast path applied
     inference_samples_per_s: float | None = None  # windows predicted per second (not cached)
+    site: str = ""  # where it replayed (a cached simulation: where this run found it)
+    worker: str = ""  # the Dask worker that replayed it ("": the flow's process, or cached)
+    compute_s: float | None = None  # the replay's seconds where it ran (None: cached)
+    bytes_across: int = 0  # feature outputs and model bytes read from another site
 
 
 @flow(name="simulate")
@@ -63,26 +62,54 @@ def simulate(
             nothing is recorded.
     """
     logger = get_run_logger()
-    outputs = feature_outputs(stage)
-    model = load_model(model_url, device=str(training.resolve_device("auto")))
-    predictor = inference.Predictor(model)
-    key = output_key(
-        "simulation",
-        code=code_fingerprint(simulation, training, inference),
-        config=asdict(config),
-        model=model_url.rsplit("/", 1)[-1],
-        features=sorted(o.key for o in outputs.values()),
-        holdout_fraction=stage.holdout_fraction,
-        # the fast path's predictions differ from the eager ones by its arithmetic (bf16)
-        inference=predictor.stats.mode,
-    )
-    sim = keyed_output(
-        stage.workspace.resolve_site().root, "simulation", key, ".parquet",
-        load=lambda url: split_markouts(storage.read_parquet(url)),
-        compute=lambda: replay_all(predictor, read_outputs(stage, outputs), config,
-                                   stage.holdout_fraction),
-        save=lambda url, merged: storage.write_parquet_atomic(url, stack_markouts(merged)),
+    site = stage.workspace.resolve_site()
+    with contextlib.ExitStack() as stack:
+        # Replayed where training runs: a site whose workers declare a GPU, when there is
+        # one; otherwise here, in the flow's process. It reads the outputs stored there.
+        gpu = gpu_client(stage.workspace.resolve_sites(), stack)
+        outputs = feature_outputs(stage, prefer=(gpu[0] if gpu else site).name)
+
+        def at_site(fn, *args):
+            if gpu is None:
+                return fn(*args)
+            return gpu[1].submit(fn, *args, resources={GPU: 1}, pure=False).result()
+
+        # where it runs decides how it predicts (the fast path on a GPU): part of the key
+        mode, model_digest = at_site(replay.inference_mode, model_url)
+        key = output_key(
+            "simulation",
+            code=code_fingerprint(simulation, training, inference),
+            config=asdict(config),
+            model=model_url.rsplit("/", 1)[-1],
+            features=sorted(o.key for o in outputs.values()),
+            holdout_fraction=stage.holdout_fraction,
+            # the fast path's predictions differ from the eager ones by its arithmetic (bf16)
+            inference=mode,
+        )
+        ran: dict = {"stats": None, "worker": "", "compute_s": None}
+
+        def compute():
+            if gpu is not None:
+                logger.info("replaying on site %s (a worker with the GPU resource)", gpu[0].name)
+            t0 = time.perf_counter()
+            merged, ran["stats"], ran["worker"] = at_site(
+                replay.replay_stage, model_url, stage, config, outputs
+            )
+            ran["compute_s"] = time.perf_counter() - t0
+            return merged
+
+        sim = keyed_output(
+            site.root, "simulation", key, ".parquet",
+            load=lambda url: split_markouts(storage.read_parquet(url)),
+            compute=compute,
+            save=lambda url, merged: storage.write_parquet_atomic(url, stack_markouts(merged)),
+        )  # fmt: skip
+    at = gpu[0] if gpu is not None else site
+    across = 0 if sim.cache_hit else (
+        sum(o.blob.length for o in outputs.values() if not at.holds(o.blob.url))
+        + (0 if at.holds(model_url) else storage.size(model_url))
     )  # fmt: skip
+    stats = ran["stats"] or inference.InferenceStats(mode=mode)
     merged = sim.value
     if sim.cache_hit:
         logger.info("simulation %s is cached: not replayed", key[:12])
@@ -98,14 +125,17 @@ def simulate(
         trades=model_summary["total"]["count"],
         baseline_trades=base_summary["total"]["count"],
         cache_hit=sim.cache_hit,
-        inference_mode=predictor.stats.mode,
-        inference_samples_per_s=None if sim.cache_hit else predictor.stats.samples_per_s,
+        inference_mode=mode,
+        inference_samples_per_s=None if sim.cache_hit else stats.samples_per_s,
+        site=at.name,
+        worker=ran["worker"],
+        compute_s=ran["compute_s"],
+        bytes_across=across,
     )
     if not sim.cache_hit:
         logger.info(
             "predicted %d windows in %.2f s (%s): %.0f windows/s, warm-up %.1f s",
-            predictor.stats.windows, predictor.stats.seconds, predictor.stats.mode,
-            predictor.stats.samples_per_s, predictor.stats.warmup_s,
+            stats.windows, stats.seconds, stats.mode, stats.samples_per_s, stats.warmup_s,
         )  # fmt: skip
     logger.info("model mark-out (bps): %s", _fmt(result.markout_bps))
     logger.info("baseline mark-out (bps): %s", _fmt(result.baseline_markout_bps))
@@ -119,14 +149,16 @@ def simulate(
         client, experiment = tracking.client_for(stage.workspace.resolve_tracking())
         with tracking.run(client, experiment, "simulate", parent=parent_run_id) as run:
             run.params({f"sim.{k}": v for k, v in asdict(config).items()})
-            run.params({"model_url": model_url, "model_digest": model.model_digest,
-                        "inference_mode": predictor.stats.mode})  # fmt: skip
+            run.params({"model_url": model_url, "model_digest": model_digest,
+                        "inference_mode": mode, "site": at.name})  # fmt: skip
             if not sim.cache_hit:
                 run.metrics({
-                    "inference_samples_per_s": predictor.stats.samples_per_s,
-                    "inference_s": predictor.stats.seconds,
-                    "inference_warmup_s": predictor.stats.warmup_s,
-                    "inference_windows": predictor.stats.windows,
+                    "inference_samples_per_s": stats.samples_per_s,
+                    "inference_s": stats.seconds,
+                    "inference_warmup_s": stats.warmup_s,
+                    "inference_windows": stats.windows,
+                    "compute_s": ran["compute_s"],
+                    "bytes_across_sites": across,
                 })  # fmt: skip
             for name, summary in (("model", model_summary), ("baseline", base_summary)):
                 for product, stats in summary.items():

@@ -62,6 +62,7 @@ class TrainSummary(BaseModel):
     ladder_result: dict | None = None  # the ladder result the rungs relied on
     site: str = ""  # the site training ran at (a cached model: where this run found it)
     worker: str = ""  # the Dask worker that trained it ("": the flow's process, or cached)
+    bytes_across: int = 0  # feature output bytes training read from another site
 
 
 def model_key(
@@ -122,16 +123,16 @@ def train(
             nothing is recorded.
     """
     logger = get_run_logger()
-    outputs = feature_outputs(stage)
     site = stage.workspace.resolve_site()
     with contextlib.ExitStack() as stack:
-        return _train(stage, config, parent_run_id, outputs, site, stack, logger)
+        return _train(stage, config, parent_run_id, site, stack, logger)
 
 
-def _train(stage, config, parent_run_id, outputs, site, stack, logger) -> TrainSummary:
+def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
     # Training goes to a site whose Dask workers declare a GPU, when there is one;
-    # otherwise it runs here, in the flow's process.
+    # otherwise it runs here, in the flow's process. It reads the outputs stored there.
     gpu = gpu_client(stage.workspace.resolve_sites(), stack)
+    outputs = feature_outputs(stage, prefer=(gpu[0] if gpu else site).name)
     device = gpu[1].submit(device_type, config.device, resources={GPU: 1},
                            pure=False).result() if gpu else None  # fmt: skip
     plan = plan_for(stage, config, device)
@@ -154,6 +155,12 @@ def _train(stage, config, parent_run_id, outputs, site, stack, logger) -> TrainS
     model = keyed_output(site.root, "model", key, ".pt", load=load_model, compute=fit_now,
                          save=lambda url, result: save_model(result, url))  # fmt: skip
     result = model.value
+    at = gpu[0] if gpu else site
+    across = (
+        0
+        if model.cache_hit
+        else sum(o.blob.length for o in outputs.values() if not at.holds(o.blob.url))
+    )
     if model.cache_hit:
         message = f"model {key[:12]} is cached (weights {result.model_digest[:12]}): not retrained"
     else:
@@ -171,7 +178,7 @@ def _train(stage, config, parent_run_id, outputs, site, stack, logger) -> TrainS
     run_id = version = None
     if parent_run_id is not None:
         run_id, version = _record(stage, parent_run_id, config, outputs, model, ran_at["site"],
-                                  plan)  # fmt: skip
+                                  plan, across)  # fmt: skip
     return TrainSummary(
         model_url=model.url,
         model_key=key,
@@ -194,6 +201,7 @@ def _train(stage, config, parent_run_id, outputs, site, stack, logger) -> TrainS
         ladder_result=result.ladder_result,
         site=ran_at["site"],
         worker=ran_at["worker"],
+        bytes_across=across,
     )
 
 
@@ -227,6 +235,7 @@ def _record(
     model: Keyed[TrainResult],
     site: str,
     plan: Plan,
+    bytes_across: int,
 ) -> tuple[str, ModelVersion]:
     """The "train" MLflow child run, and the model as a version in the Model Registry
     (the version of a cached model is found by its key, not registered again).
@@ -275,6 +284,7 @@ def _record(
                 "final_loss": result.loss_curve[-1],
                 "cache_hit": float(model.cache_hit),
                 "rungs_applied": float(len(result.rungs)),
+                "bytes_across_sites": float(bytes_across),
                 **{k: v for k, v in measured.items() if v is not None},
             }
         )

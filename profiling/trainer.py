@@ -45,6 +45,7 @@ from quantloop.profiling.workload import TrainingSet, Windows
 from quantloop.tasks.features import FeatureParams, feature_set
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import split_train_test
+from quantloop.tasks.sites import worker_address
 from quantloop.tasks.stage import FeatureOutput, StageParams, read_outputs
 from quantloop.tasks.training import (
     TrainConfig,
@@ -117,14 +118,9 @@ def fit_stage(
     """Read the feature outputs and train: the train stage's work, wherever it runs.
     Returns the result and where it ran: the Dask worker's address, or "" in the flow's
     process."""
-    try:
-        from distributed import get_worker
-
-        where = get_worker().address
-    except ValueError:  # not in a Dask worker
-        where = ""
     tables = read_outputs(stage, outputs)
-    return train_on_features(tables, stage.features, stage.holdout_fraction, config, plan), where
+    result = train_on_features(tables, stage.features, stage.holdout_fraction, config, plan)
+    return result, worker_address()
 
 
 def train_on_features(

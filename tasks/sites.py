@@ -101,6 +101,16 @@ class SiteCounts:
         self.cost = self.compute_s * cost_per_hour / 3600.0
 
 
+def worker_address() -> str:
+    """The Dask worker this runs in, or "" outside one (the flow's own process)."""
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except ValueError:
+        return ""
+
+
 GPU = "GPU"  # the Dask worker resource a GPU host declares (`dask worker --resources GPU=1`)
 
 

@@ -143,11 +143,18 @@ def read_outputs(
     return tables
 
 
-def feature_outputs(stage: StageParams) -> dict[Partition, FeatureOutput]:
-    """Where each selected partition's features are stored; fails if any is missing."""
+def feature_outputs(
+    stage: StageParams, prefer: str | None = None
+) -> dict[Partition, FeatureOutput]:
+    """Where each selected partition's features are stored; fails if any is missing.
+
+    prefer: the site that will read them; where a node's output is stored at several
+    sites (it ran at each under different placements), that site's copy is taken."""
     plan = plan_features(stage)
     rows: dict[str, dict] = {}
-    for store in site_stores(stage.workspace):  # each node's output is where it ran
+    sites = stage.workspace.resolve_sites()
+    sites = sorted(sites, key=lambda s: s.name != prefer)  # stable: then the default first
+    for store in (NodeStore(s.root) for s in sites):  # each node's output is where it ran
         todo = plan.nodes.filter(
             pc.invert(pc.is_in(plan.nodes["key"], value_set=pa.array(list(rows), pa.string())))
         )

@@ -76,15 +76,19 @@ class ResearchSummary(BaseModel):
     )
     placement: str = Field(default="node", description="How feature nodes were placed.")
     bytes_across_sites: int = Field(
-        default=0, description="Input bytes feature nodes read from a site other than their own."
+        default=0,
+        description="Bytes read from a site other than the reader's: feature nodes' inputs, "
+        "training's and simulation's feature outputs, simulation's model.",
     )
     cost: float = Field(
-        default=0.0, description="Feature compute seconds x each site's cost_per_hour / 3600."
+        default=0.0,
+        description="Compute seconds (feature nodes, training loop, replay) x each site's "
+        "cost_per_hour / 3600.",
     )
     sites: dict[str, dict] = Field(
         default_factory=dict,
-        description="Per site: nodes, computed, compute_s, bytes_across, cost; and where "
-        "training ran (train_worker).",
+        description="Per site: feature nodes, computed, compute_s (feature nodes), train_s, "
+        "simulate_s, bytes_across, cost.",
     )
 
 
@@ -138,8 +142,10 @@ def markout_table(summary: ResearchSummary) -> TextTable:
 
 
 def site_table(summary: ResearchSummary) -> TextTable:
-    """Where the feature nodes ran: per site, what ran, what crossed and what it cost."""
-    rows = [[name, f"{c['nodes']:,}", f"{c['computed']:,}", f"{c['compute_s']:.2f}",
+    """Where the run's work ran: per site, its feature nodes, the seconds of everything it
+    ran (feature nodes, training, replay), the bytes it read from other sites, the cost."""
+    rows = [[name, f"{c['nodes']:,}", f"{c['computed']:,}",
+             f"{c['compute_s'] + c.get('train_s', 0.0) + c.get('simulate_s', 0.0):.2f}",
              f"{c['bytes_across']:,}", f"{c['cost']:.6f}"]
             for name, c in summary.sites.items()]  # fmt: skip
     columns = ["site", "nodes", "computed", "compute s", "bytes across", "cost"]

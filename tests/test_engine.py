@@ -431,3 +431,22 @@ def test_compaction_merges_into_sorted_product_ranges(tmp_path):
         assert pairs == sorted(pairs)
     assert store.existing(kind.name, nodes).sort_by("key").equals(before)
     assert run_nodes(kind, by_digest, nodes, store).cache_hits == nodes.num_rows
+
+
+@pytest.mark.parametrize("rows", [1_000, 200_000])  # stored plain / zstd-compressed
+def test_a_slice_of_a_batch_table_stores_the_bytes_of_the_same_table_alone(rows):
+    """A node's output is a slice of its batch's table when stored, and a table of its
+    own when reproduced: both must encode to the same bytes (and digest)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    values = {f"c{i}": rng.standard_normal(500_000) for i in range(4)}  # a big batch
+    values["c0"][::7] = np.nan
+    batch = pa.table(values)
+    alone = pa.table({k: v[1000 : 1000 + rows].copy() for k, v in values.items()})
+    sliced = batch.slice(1000, rows)
+    assert storage.arrow_bytes(sliced) == storage.arrow_bytes(alone)
+    compressed = rows * 4 >= storage.COMPRESS_FROM_CELLS
+    assert (len(storage.arrow_bytes(alone)) < alone.nbytes) == compressed
+    back = storage.decode_table(storage.arrow_bytes(sliced))  # NaN != NaN: compare bytes
+    assert back.num_rows == rows and storage.arrow_bytes(back) == storage.arrow_bytes(alone)

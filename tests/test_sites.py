@@ -24,6 +24,7 @@ import s3fs
 from quantloop.blocks.site import Site, SiteUnreachable
 from quantloop.flows.features import features
 from quantloop.flows.replicate import replicate as replicate_flow
+from quantloop.flows.simulate import simulate
 from quantloop.flows.train import train
 from quantloop.tasks import storage
 from quantloop.tasks.engine import BatchFailed, NoCopyReachable, NodeStore
@@ -152,7 +153,20 @@ def test_each_node_runs_at_the_site_holding_its_input(prefect_api, two_sites, tm
     trained = train(stage_of(ws), TINY)
     gpu_workers = workers_of(ws.sites[0].scheduler_address)
     assert trained.site == "B" and trained.worker in gpu_workers and not trained.cache_hit
-    assert trained.model_digest == train(stage_of(one), TINY).model_digest
+    trained_one = train(stage_of(one), TINY)
+    assert trained.model_digest == trained_one.model_digest
+    # What training at B read from A (A's products' features) is counted, to the byte.
+    at_a = sum(r["output_length"] for r in rows if r["product"] in AT_A)
+    assert trained.bytes_across == at_a > 0 and trained_one.bytes_across == 0
+
+    # Simulation replays at B too, next to training; the same mark-outs as one site's.
+    sim = simulate(trained.model_url, stage_of(ws))
+    assert (sim.site, sim.cache_hit) == ("B", False) and sim.worker in gpu_workers
+    model_bytes = storage.size(trained.model_url)  # stored at the default site, A
+    assert sim.bytes_across == at_a + model_bytes and sim.compute_s > 0
+    sim_one = simulate(trained_one.model_url, stage_of(one))
+    assert (sim_one.site, sim_one.worker, sim_one.bytes_across) == ("local", "", 0)
+    assert sim.markout_bps == sim_one.markout_bps and sim.trades == sim_one.trades > 0
 
 
 @pytest.mark.slow

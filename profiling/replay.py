@@ -1,0 +1,42 @@
+"""The simulate stage's compute, wherever it runs: the flow's process, or a worker of a
+site whose workers declare a GPU (flows/simulate.py sends it there, as flows/train.py
+sends training)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pyarrow as pa
+
+from quantloop.profiling.inference import InferenceStats, Predictor
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.simulation import SimConfig, replay_all
+from quantloop.tasks.sites import worker_address
+from quantloop.tasks.stage import FeatureOutput, StageParams, read_outputs
+from quantloop.tasks.training import load_model, resolve_device
+
+
+def predictor_for(model_url: str) -> Predictor:
+    """The stored model on this process's best device, on the fast path where it applies."""
+    return Predictor(load_model(model_url, device=str(resolve_device("auto"))))
+
+
+def inference_mode(model_url: str) -> tuple[str, str]:
+    """How the model predicts where this runs ("eager" or the rungs applied: part of the
+    simulation's key), and the model's weight digest."""
+    predictor = predictor_for(model_url)
+    return predictor.stats.mode, predictor.result.model_digest
+
+
+def replay_stage(
+    model_url: str,
+    stage: StageParams,
+    config: SimConfig,
+    outputs: Mapping[Partition, FeatureOutput],
+) -> tuple[dict[str, dict[str, pa.Table]], InferenceStats, str]:
+    """Replay the held-out part of each partition with the model and the baseline.
+    Returns the mark-outs, the prediction's counts and where it ran (a Dask worker's
+    address, or "" in the flow's process)."""
+    predictor = predictor_for(model_url)
+    merged = replay_all(predictor, read_outputs(stage, outputs), config, stage.holdout_fraction)
+    return merged, predictor.stats, worker_address()
