@@ -28,6 +28,7 @@ from quantloop.tasks import progress, storage, tracking
 from quantloop.tasks.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.planning import product_params
 from quantloop.tasks.provenance import code_digest, git_commit
+from quantloop.tasks.sites import SiteCounts
 from quantloop.tasks.stage import DamagedOutputs
 from quantloop.tasks.summary import ResearchSummary, markout_table, product_table, site_table
 from quantloop.tasks.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
@@ -318,27 +319,21 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
 
 
 def site_counts(ws, feats, trained, sim) -> dict[str, dict]:
-    """Per site: the feature nodes' counts, then training's and simulation's seconds
-    there (train_s: the training loop; simulate_s: the replay) and the bytes they read
-    from other sites; cost is all of those seconds x the site's cost_per_hour."""
+    """Per site: the feature nodes' counts, then training's and the replay's seconds there
+    and the bytes they read from other sites (a cached stage adds nothing)."""
     per_hour = {s.name: s.cost_per_hour for s in ws.resolve_sites()}
-    sites = {name: {**counts, "train_s": 0.0, "simulate_s": 0.0}
-             for name, counts in feats.sites.items()}  # fmt: skip
+    sites = {name: SiteCounts(**counts) for name, counts in feats.sites.items()}
     stages = (
-        ("train_s", trained.site, None if trained.cache_hit else trained.duration_s,
+        ("train", trained.site, None if trained.cache_hit else trained.duration_s,
          trained.bytes_across),
-        ("simulate_s", sim.site, sim.compute_s, sim.bytes_across),
+        ("simulate", sim.site, sim.compute_s, sim.bytes_across),
     )  # fmt: skip
-    for field, name, seconds, across in stages:
-        if not name or (seconds is None and not across):
-            continue
-        counts = sites.setdefault(name, {"nodes": 0, "computed": 0, "compute_s": 0.0,
-                                         "bytes_across": 0, "cost": 0.0, "train_s": 0.0,
-                                         "simulate_s": 0.0})  # fmt: skip
-        counts[field] += seconds or 0.0
-        counts["bytes_across"] += across
-        counts["cost"] += (seconds or 0.0) * per_hour.get(name, 0.0) / 3600.0
-    return sites
+    for stage, name, seconds, across in stages:
+        if name and seconds is not None:
+            sites.setdefault(name, SiteCounts()).add_stage(
+                stage, seconds, across, per_hour.get(name, 0.0)
+            )
+    return {name: asdict(counts) for name, counts in sites.items()}
 
 
 def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:

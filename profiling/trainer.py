@@ -74,12 +74,25 @@ MAX_WARMUP_STEPS = 25  # compile and capture happen here; the ladder warms up as
 # H200s (bench/results/research-modes-h200.json, cold research runs): 110,731 samples/s
 # at 0.5 ms against 102,730 at 5 ms on one machine; 94,170 and 83,462 against 80,515 on
 # another. QUANTLOOP_GIL_SWITCH_S overrides ("default": Python's own).
-_gil = os.environ.get("QUANTLOOP_GIL_SWITCH_S", "0.0005")
-GIL_SWITCH_S: float | None = None if _gil == "default" else float(_gil)
+def _gil_switch_setting() -> float | None:
+    value = os.environ.get("QUANTLOOP_GIL_SWITCH_S", "0.0005")
+    if value == "default":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"QUANTLOOP_GIL_SWITCH_S={value!r}: seconds > 0, or 'default'")
+    return seconds
+
+
+GIL_SWITCH_S = _gil_switch_setting()
 
 
 @contextlib.contextmanager
 def gil_switch(seconds: float | None) -> Iterator[None]:
+    """Python's GIL switch interval set to `seconds` inside the block (None: left alone)."""
     if seconds is None:
         yield
         return

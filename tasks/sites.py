@@ -84,21 +84,35 @@ def unreachable(sites: Sequence[Site], clients: dict[str, SiteClient]) -> list[s
 
 @dataclass(slots=True)
 class SiteCounts:
-    """What one site did in a run: its nodes, their compute seconds and what that cost."""
+    """What one site did in a run: its feature nodes and their compute seconds, the
+    seconds of the training loop and the replay it ran, the bytes those read from other
+    sites, and what its seconds cost."""
 
     nodes: int = 0
     computed: int = 0
-    compute_s: float = 0.0
-    bytes_across: int = 0  # input bytes its nodes read from other sites
-    cost: float = 0.0  # compute_s x the site's cost_per_hour / 3600
+    compute_s: float = 0.0  # feature nodes
+    bytes_across: int = 0  # bytes read from other sites (inputs, feature outputs, model)
+    cost: float = 0.0  # all of this site's seconds x its cost_per_hour / 3600
+    train_s: float = 0.0
+    simulate_s: float = 0.0
 
     def add(self, nodes: int, computed: int, compute_s: float, bytes_across: int,
             cost_per_hour: float) -> None:  # fmt: skip
         self.nodes += nodes
         self.computed += computed
         self.compute_s += compute_s
+        self._spent(compute_s, bytes_across, cost_per_hour)
+
+    def add_stage(self, stage: str, seconds: float, bytes_across: int,
+                  cost_per_hour: float) -> None:  # fmt: skip
+        """Training's ("train") or the replay's ("simulate") seconds at this site."""
+        field = f"{stage}_s"
+        setattr(self, field, getattr(self, field) + seconds)
+        self._spent(seconds, bytes_across, cost_per_hour)
+
+    def _spent(self, seconds: float, bytes_across: int, cost_per_hour: float) -> None:
         self.bytes_across += bytes_across
-        self.cost = self.compute_s * cost_per_hour / 3600.0
+        self.cost += seconds * cost_per_hour / 3600.0
 
 
 def worker_address() -> str:

@@ -296,3 +296,15 @@ def test_place_picks_the_cheaper_site_holding_the_input_and_reads_across_only_wh
         place(inputs, copies, sites, Policy.parse("node", "ABC"), down={"A"})
     with pytest.raises(ValueError, match="single:Z"):
         Policy.parse("single:Z", "ABC")
+
+
+def test_a_sites_cost_counts_its_feature_training_and_replay_seconds():
+    from quantloop.tasks.sites import SiteCounts
+
+    counts = SiteCounts()
+    counts.add(4, 3, 36.0, 100, cost_per_hour=2.0)
+    counts.add_stage("train", 18.0, 50, cost_per_hour=2.0)
+    counts.add_stage("simulate", 9.0, 0, cost_per_hour=2.0)
+    assert (counts.nodes, counts.computed, counts.compute_s) == (4, 3, 36.0)
+    assert (counts.train_s, counts.simulate_s, counts.bytes_across) == (18.0, 9.0, 150)
+    assert counts.cost == pytest.approx((36.0 + 18.0 + 9.0) * 2.0 / 3600)
