@@ -77,8 +77,14 @@ RUNG = Rung(
 )
 
 
-def run(cfg, sw: Switches, global_batch: int, device, store: str, trace: str | None) -> dict:
-    """Train on this rank's share of each step's `global_batch` windows; rank 0 predicts."""
+def run(
+    cfg, sw: Switches, global_batch: int, device, store: str, trace: str | None,
+    *, allreduce: bool = True, dump: str = "",
+) -> dict:  # fmt: skip
+    """Train on this rank's share of each step's `global_batch` windows; rank 0 predicts.
+    allreduce=False: each rank steps on its own gradients (a control: the step without
+    communication, to time what the all-reduce adds). dump: Graphviz file of the step's
+    CUDA graph (".rank<r>" appended)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     c = dataclasses.replace(cfg, batch_size=global_batch)
     work = build_workload(c, store)
@@ -86,13 +92,15 @@ def run(cfg, sw: Switches, global_batch: int, device, store: str, trace: str | N
     torch._dynamo.reset()
     model = seeded_model(model_config(c, work), c.seed, device)
     settings = dataclasses.replace(
-        StepSettings.of_ladder(c), batch_size=global_batch // world, compile_per_block=True
-    )
+        StepSettings.of_ladder(c), batch_size=global_batch // world, compile_per_block=True,
+        graph_dump=f"{dump}.rank{rank}" if dump else "",
+    )  # fmt: skip
     holder: dict = {}  # the buckets hook into the optimizer's buffer, made by Training
-    finish = (lambda: holder["b"].finish()) if world > 1 else None
+    finish = (lambda: holder["b"].finish()) if world > 1 and allreduce else None
     training = Training(model, sw, share, settings, device, after_backward=finish)
     if world > 1:
         dist.broadcast(training.opt.param, 0)  # the same start everywhere (same seed anyway)
+    if finish is not None:
         holder["b"] = GradBuckets(model, training.opt)
     W, T = c.warmup_steps, c.timed_steps
     timer, sampler = measure.StepTimer(device), measure.UtilSampler(device)
@@ -143,7 +151,7 @@ def run(cfg, sw: Switches, global_batch: int, device, store: str, trace: str | N
     same = [torch.zeros_like(digest) for _ in range(world)]
     dist.all_gather(same, digest)
     out["weights_agree"] = len({float(t) for t in same}) == 1
-    if rank == 0:
+    if rank == 0 and allreduce:
         out["pred_test"] = predict(model, work, work.test, c.predict_batch, device)
         out["pred_threshold"] = predict(model, work, work.threshold, c.predict_batch, device)
     return out
@@ -166,6 +174,15 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--switches", default="", help="comma-separated (default: the top rung's)")
     ap.add_argument("--name", default="", help="file stem (default: ladder-h200x<N>)")
+    ap.add_argument("--graph-dump", default="", help="write the step's CUDA graph here (.dot)")
+    ap.add_argument(
+        "--throughput-only", action="store_true",
+        help="N GPUs: only the throughput run (no equivalence), for comparing settings",
+    )  # fmt: skip
+    ap.add_argument(
+        "--no-allreduce", action="store_true",
+        help="N GPUs, throughput only, no gradient all-reduce: the step without communication",
+    )  # fmt: skip
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -214,13 +231,16 @@ def main() -> None:
         return
 
     one = json.loads((work_dir / "one_gpu.json").read_text())
+    if args.throughput_only or args.no_allreduce:
+        throughput_only(args, cfg, sw, device, store, work_dir, out, one, t0)
+        return
     ref = np.load(work_dir / "one_gpu.npz")
     # (a) the same global batch, split: equivalence against one GPU
     eq_run = run(cfg, sw, B, device, store, None)
     log(f"split {B} over {world}: weights agree across ranks {eq_run['weights_agree']}")
     # (b) the same per-GPU batch on every GPU: throughput, and the trace of the overlap
     trace = str(work_dir / f"trace-{world}gpu.json")
-    tp = run(cfg, sw, B * world, device, store, trace)
+    tp = run(cfg, sw, B * world, device, store, trace, dump=args.graph_dump)
     if rank == 0:
         work, c = eq_run["work"], eq_run["cfg"]
         one_run = RungRun(
@@ -279,6 +299,7 @@ def main() -> None:
             "gpu_util": tp["gpu_util"],
             "peak_mem_gb": tp["peak_mem_gb"],
             "pack_rows_per_gpu": tp["pack_rows"],
+            "env": knobs(),
             "one_gpu": one,
             "rows": [row.to_dict()],
             "wall_s": time.perf_counter() - t0,
@@ -289,6 +310,40 @@ def main() -> None:
             tar.add(trace, arcname=os.path.basename(trace))
         log(json.dumps({k: v for k, v in result.items() if k not in ("rows", "one_gpu")},
                        default=str))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def knobs() -> dict[str, str]:
+    """The environment that decides how NCCL and the CUDA driver schedule the collectives."""
+    keep = ("NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_")
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(keep)}
+
+
+def throughput_only(args, cfg, sw, device, store, work_dir, out, one, t0) -> None:
+    """The per-GPU batch on every GPU, timed and (with the all-reduce) traced; no
+    equivalence run. Rank 0 writes <out>/<name>.json."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    B, allreduce = cfg.batch_size, not args.no_allreduce
+    trace = str(work_dir / f"trace-{args.name or 'tp'}.json")
+    tp = run(cfg, sw, B * world, device, store, trace, allreduce=allreduce,
+             dump=args.graph_dump)  # fmt: skip
+    if rank == 0:
+        step_s = tp["timed_s"] / cfg.timed_steps
+        result = {
+            "gpus": world, "commit": args.commit,
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "allreduce": allreduce, "switches": list(sw.names()), "per_gpu_batch": B,
+            "samples_per_s": B * world / step_s, "step_ms": step_s * 1e3,
+            "one_gpu_samples_per_s": one["samples_per_s"], "one_gpu_step_ms": one["step_ms"],
+            "speedup_vs_one_gpu": B * world / step_s / one["samples_per_s"],
+            **(allreduce_overlap(trace) if allreduce else {}),
+            "gpu_util": tp["gpu_util"], "env": knobs(), "wall_s": time.perf_counter() - t0,
+        }  # fmt: skip
+        name = args.name or f"ddp-x{world}-{'tp' if allreduce else 'no-allreduce'}"
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
+        log = {k: v for k, v in result.items() if k not in ("switches", "env")}
+        print(f"[rank 0] {name}: {json.dumps(log, default=str)}", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 

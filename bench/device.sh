@@ -5,6 +5,9 @@
 #                                            on the ladder's workload shape, then bulk
 #                                            inference eager vs fast, then (time left) rung 11
 #   bash bench/device.sh ddp OUT COMMIT      two (or more) H200s: bench/ddp.py
+#   bash bench/device.sh ddp-diag OUT COMMIT two H200s: bench/ddp.py with the step's CUDA
+#                                            graph dumped, a no-all-reduce control, and
+#                                            NCCL/driver settings compared (throughput only)
 #   bash bench/device.sh research OUT COMMIT one H200: `quantloop run` only, `auto` reading
 #                                            the committed ladder result; twice, on two
 #                                            fresh homes (the spread of a cold run)
@@ -33,6 +36,26 @@ if [ "$stage" = ddp-nograph ]; then  # the same without the whole-step CUDA grap
     python3 -m torch.distributed.run --standalone --nproc-per-node $n bench/ddp.py --out "$out" \
       --commit "$commit" --work /tmp/ddp-nograph --switches $sw --name ladder-h200x2-nograph
   done 2>&1 | grep -v Warn | tee "$out/ddp-nograph.log" | tail -4
+  exit 0
+fi
+if [ "$stage" = ddp-diag ]; then  # why the all-reduce does not overlap backward
+  env | grep -i "CUDA_DEVICE_MAX\|NCCL\|CUDA_LAUNCH" | sort
+  run() { python3 -m torch.distributed.run --standalone --nproc-per-node "$1" bench/ddp.py \
+            --out "$out" --commit "$commit" --work /tmp/ddp "${@:2}" 2>&1 | grep -v Warn; }
+  run 1 | tail -1
+  run 2 --graph-dump /tmp/ddp/step.dot | tail -1 | cut -c1-600
+  python3 -c 'import json, sys; sys.path.insert(0, "."); from bench.checkout import use_checkout
+use_checkout(); from quantloop.profiling.distributed import collective_edges
+r = collective_edges("/tmp/ddp/step.dot.rank0"); print(json.dumps(r, indent=1)[:3000])
+json.dump(r, open(sys.argv[1], "w"), indent=1)' "$out/graph-edges.json"
+  gzip -c /tmp/ddp/step.dot.rank0 > "$out/step-graph-rank0.dot.gz"
+  grep -n -i -m3 -B2 -A8 nccl /tmp/ddp/step.dot.rank0 | cut -c1-300
+  echo "== at $((SECONDS - start)) s"
+  run 2 --no-allreduce | tail -1
+  NCCL_MAX_CTAS=2 NCCL_MIN_CTAS=2 run 2 --throughput-only --name ddp-x2-ctas2 | tail -1
+  NCCL_GRAPH_MIXING_SUPPORT=0 run 2 --throughput-only --name ddp-x2-nomixing | tail -1
+  CUDA_DEVICE_MAX_CONNECTIONS=32 run 2 --throughput-only --name ddp-x2-conn32 | tail -1
+  echo "== at $((SECONDS - start)) s"
   exit 0
 fi
 if [ "$stage" = ddp ]; then

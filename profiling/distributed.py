@@ -23,6 +23,7 @@ the collectives where they were issued (NCCL >= 2.9.6 allows capturing them).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -167,6 +168,58 @@ def allreduce_overlap(trace_path: str) -> dict:
         "allreduce_us": total,
         "allreduce_hidden_us": hidden,
         "allreduce_hidden_fraction": hidden / total if total > 0 else None,
+    }
+
+
+def collective_edges(dot_path: str) -> dict:
+    """From a CUDA graph's Graphviz dump (torch.cuda.CUDAGraph.debug_dump): for each NCCL
+    kernel node, the kernels it waits for and the kernels that wait for it, looking through
+    non-kernel nodes (event records and waits, memsets, empty nodes). A compute kernel
+    among the waiters is an edge that keeps the all-reduce from overlapping it."""
+    import re
+
+    text = Path(dot_path).read_text(errors="replace")
+    labels = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r'"([^"]+)"\s*\[[^\]]*?label="(.*?)"\s*\]', text, re.S)
+    }
+    succ: dict[str, list[str]] = {n: [] for n in labels}
+    pred: dict[str, list[str]] = {n: [] for n in labels}
+    for a, b in re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', text):
+        succ.setdefault(a, []).append(b)
+        pred.setdefault(b, []).append(a)
+
+    def kernel(n: str) -> str | None:
+        label = labels.get(n, "")
+        if "kernel" not in label.lower():
+            return None
+        names = re.findall(r"(nccl\w+|triton_\w+|nvjet\w+|_Z\w+|\b\w*[Kk]ernel\w*)", label)
+        return next((x for x in names if x != "cudaGraphNodeTypeKernel"), label[:60])
+
+    def first_kernels(n: str, nxt: dict[str, list[str]]) -> list[str]:
+        out, seen, todo = [], set(), list(nxt.get(n, []))
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            k = kernel(m)
+            if k is not None:
+                out.append(k)
+            else:
+                todo.extend(nxt.get(m, []))
+        return out
+
+    comm = [n for n in labels if "nccl" in labels[n].lower() and kernel(n)]
+    rows = [
+        {"node": n, "waits_for": first_kernels(n, pred), "waited_by": first_kernels(n, succ)}
+        for n in comm
+    ]
+    return {
+        "nodes": len(labels),
+        "kernels": sum(kernel(n) is not None for n in labels),
+        "edges": sum(len(v) for v in succ.values()),
+        "collectives": rows,
     }
 
 
