@@ -204,7 +204,10 @@ class Training:
             self.loader = SyncLoader(lambda step: make(work, step), device)
         self.graphed = (
             apply_cudagraph(
-                step_fn, self.layout, device=device, eager_steps=s.eager_steps,
+                step_fn,
+                self.layout,
+                device=device,
+                eager_steps=s.eager_steps,
                 dump=s.graph_dump,
             )  # fmt: skip
             if sw.cudagraph
