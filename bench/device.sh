@@ -40,6 +40,9 @@ if [ "$stage" = ddp-nograph ]; then  # the same without the whole-step CUDA grap
 fi
 if [ "$stage" = ddp-diag ]; then  # why the all-reduce does not overlap backward
   env | grep -i "CUDA_DEVICE_MAX\|NCCL\|CUDA_LAUNCH" | sort
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl || exit 1  # pydantic, for the workload's config
+  export PYTHONPATH=/tmp/site
   run() { python3 -m torch.distributed.run --standalone --nproc-per-node "$1" bench/ddp.py \
             --out "$out" --commit "$commit" --work /tmp/ddp "${@:2}" 2>&1 | grep -v Warn; }
   run 1 | tail -1
