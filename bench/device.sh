@@ -43,21 +43,22 @@ if [ "$stage" = ddp-diag ]; then  # why the all-reduce does not overlap backward
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl || exit 1  # pydantic, for the workload's config
   export PYTHONPATH=/tmp/site
-  run() { python3 -m torch.distributed.run --standalone --nproc-per-node "$1" bench/ddp.py \
-            --out "$out" --commit "$commit" --work /tmp/ddp "${@:2}" 2>&1 | grep -v Warn; }
+  run() { timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node "$1" \
+            bench/ddp.py --out "$out" --commit "$commit" --work /tmp/ddp "${@:2}" 2>&1 \
+            | grep -v Warn; }
   run 1 | tail -1
-  run 2 --graph-dump /tmp/ddp/step.dot | tail -1 | cut -c1-600
-  python3 -c 'import json, sys; sys.path.insert(0, "."); from bench.checkout import use_checkout
-use_checkout(); from quantloop.profiling.distributed import collective_edges
-r = collective_edges("/tmp/ddp/step.dot.rank0"); print(json.dumps(r, indent=1)[:3000])
-json.dump(r, open(sys.argv[1], "w"), indent=1)' "$out/graph-edges.json"
-  gzip -c /tmp/ddp/step.dot.rank0 > "$out/step-graph-rank0.dot.gz"
-  grep -n -i -m3 -B2 -A8 nccl /tmp/ddp/step.dot.rank0 | cut -c1-300
+  run 2 --graph-dump /tmp/ddp/step.dot | tail -1 | cut -c1-400
+  gzip -c /tmp/ddp/step.dot.rank0 > "$out/step-graph-rank0.dot.gz"; ls -la /tmp/ddp/
   echo "== at $((SECONDS - start)) s"
   run 2 --no-allreduce | tail -1
   NCCL_MAX_CTAS=2 NCCL_MIN_CTAS=2 run 2 --throughput-only --name ddp-x2-ctas2 | tail -1
   NCCL_GRAPH_MIXING_SUPPORT=0 run 2 --throughput-only --name ddp-x2-nomixing | tail -1
   CUDA_DEVICE_MAX_CONNECTIONS=32 run 2 --throughput-only --name ddp-x2-conn32 | tail -1
+  echo "== at $((SECONDS - start)) s"
+  timeout 60 python3 -c 'import json, sys; sys.path.insert(0, "."); from bench.checkout import use_checkout
+use_checkout(); from quantloop.profiling.distributed import collective_edges
+r = collective_edges("/tmp/ddp/step.dot.rank0"); print(json.dumps(r, indent=1)[:2000])
+json.dump(r, open(sys.argv[1], "w"), indent=1)' "$out/graph-edges.json"
   echo "== at $((SECONDS - start)) s"
   exit 0
 fi

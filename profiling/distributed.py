@@ -179,13 +179,16 @@ def collective_edges(dot_path: str) -> dict:
     import re
 
     text = Path(dot_path).read_text(errors="replace")
+    # one pass each: a node's text runs from its `"name"[` to the next one (labels span
+    # lines and hold brackets and quotes, so no pattern is matched across them)
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r'^"([^"]+)"\s*\[', text, re.M)]
     labels = {
-        m.group(1): m.group(2)
-        for m in re.finditer(r'"([^"]+)"\s*\[[^\]]*?label="(.*?)"\s*\]', text, re.S)
+        name: text[pos : starts[i + 1][0] if i + 1 < len(starts) else len(text)]
+        for i, (pos, name) in enumerate(starts)
     }
     succ: dict[str, list[str]] = {n: [] for n in labels}
     pred: dict[str, list[str]] = {n: [] for n in labels}
-    for a, b in re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', text):
+    for a, b in re.findall(r'^"([^"]+)"\s*->\s*"([^"]+)"', text, re.M):
         succ.setdefault(a, []).append(b)
         pred.setdefault(b, []).append(a)
 
