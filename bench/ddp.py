@@ -50,6 +50,7 @@ from quantloop.profiling.distributed import (  # noqa: E402
     GradBuckets,
     allreduce_overlap,
     bucket_spans,
+    nccl_options,
     rank_share,
 )
 from quantloop.profiling.evaluation import check_rung, heldout_fit, reference  # noqa: E402
@@ -79,12 +80,11 @@ RUNG = Rung(
 
 def run(
     cfg, sw: Switches, global_batch: int, device, store: str, trace: str | None,
-    *, allreduce: bool = True, dump: str = "",
+    *, allreduce: bool = True,
 ) -> dict:  # fmt: skip
     """Train on this rank's share of each step's `global_batch` windows; rank 0 predicts.
     allreduce=False: each rank steps on its own gradients (a control: the step without
-    communication, to time what the all-reduce adds). dump: Graphviz file of the step's
-    CUDA graph (".rank<r>" appended)."""
+    communication, to time what the all-reduce adds)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     c = dataclasses.replace(cfg, batch_size=global_batch)
     work = build_workload(c, store)
@@ -92,9 +92,8 @@ def run(
     torch._dynamo.reset()
     model = seeded_model(model_config(c, work), c.seed, device)
     settings = dataclasses.replace(
-        StepSettings.of_ladder(c), batch_size=global_batch // world, compile_per_block=True,
-        graph_dump=f"{dump}.rank{rank}" if dump else "",
-    )  # fmt: skip
+        StepSettings.of_ladder(c), batch_size=global_batch // world, compile_per_block=True
+    )
     holder: dict = {}  # the buckets hook into the optimizer's buffer, made by Training
     finish = (lambda: holder["b"].finish()) if world > 1 and allreduce else None
     training = Training(model, sw, share, settings, device, after_backward=finish)
@@ -174,7 +173,10 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--switches", default="", help="comma-separated (default: the top rung's)")
     ap.add_argument("--name", default="", help="file stem (default: ladder-h200x<N>)")
-    ap.add_argument("--graph-dump", default="", help="write the step's CUDA graph here (.dot)")
+    ap.add_argument(
+        "--nccl-ctas", type=int, default=0,
+        help="cap NCCL's thread blocks per collective (0: NCCL's choice)",
+    )  # fmt: skip
     ap.add_argument(
         "--throughput-only", action="store_true",
         help="N GPUs: only the throughput run (no equivalence), for comparing settings",
@@ -190,7 +192,10 @@ def main() -> None:
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    if cuda:
+        dist.init_process_group("nccl", device_id=device, pg_options=nccl_options(args.nccl_ctas))
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = preset(args.preset)
     if not cuda:
@@ -240,7 +245,7 @@ def main() -> None:
     log(f"split {B} over {world}: weights agree across ranks {eq_run['weights_agree']}")
     # (b) the same per-GPU batch on every GPU: throughput, and the trace of the overlap
     trace = str(work_dir / f"trace-{world}gpu.json")
-    tp = run(cfg, sw, B * world, device, store, trace, dump=args.graph_dump)
+    tp = run(cfg, sw, B * world, device, store, trace)
     if rank == 0:
         work, c = eq_run["work"], eq_run["cfg"]
         one_run = RungRun(
@@ -254,7 +259,7 @@ def main() -> None:
         eq, summary, curve = check_rung(work, as_rung_run(eq_run), base, c, tol)
         step_s = tp["timed_s"] / cfg.timed_steps
         sps = B * world / step_s
-        overlap = allreduce_overlap(trace)
+        overlap = comm_figures(trace, out, world, step_s, cfg.profiled_steps)
         # the throughput run's row, judged against one GPU (its "baseline" here)
         tp_cfg = tp["cfg"]
         n_params, useful_flops, useful_positions = work_figures(tp["work"], tp_cfg)
@@ -299,6 +304,7 @@ def main() -> None:
             "gpu_util": tp["gpu_util"],
             "peak_mem_gb": tp["peak_mem_gb"],
             "pack_rows_per_gpu": tp["pack_rows"],
+            "nccl_ctas": args.nccl_ctas,
             "env": knobs(),
             "one_gpu": one,
             "rows": [row.to_dict()],
@@ -313,6 +319,20 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def comm_figures(trace: str, out: Path, world: int, step_s: float, traced_steps: int) -> dict:
+    """The all-reduce's share overlapped with compute in the trace, its time per step, and
+    (where the no-all-reduce control of the same call ran first, <out>/ddp-x<N>-no-allreduce
+    .json) what it adds to the step: the step-time view of hiding."""
+    figures = allreduce_overlap(trace)
+    figures["allreduce_us_per_step"] = figures["allreduce_us"] / traced_steps
+    control = out / f"ddp-x{world}-no-allreduce.json"
+    if control.exists():
+        base = json.loads(control.read_text())["step_ms"] / 1e3
+        figures["no_allreduce_step_ms"] = base * 1e3
+        figures["allreduce_exposed_us_per_step"] = (step_s - base) * 1e6
+    return figures
+
+
 def knobs() -> dict[str, str]:
     """The environment that decides how NCCL and the CUDA driver schedule the collectives."""
     keep = ("NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_")
@@ -325,8 +345,7 @@ def throughput_only(args, cfg, sw, device, store, work_dir, out, one, t0) -> Non
     rank, world = dist.get_rank(), dist.get_world_size()
     B, allreduce = cfg.batch_size, not args.no_allreduce
     trace = str(work_dir / f"trace-{args.name or 'tp'}.json")
-    tp = run(cfg, sw, B * world, device, store, trace, allreduce=allreduce,
-             dump=args.graph_dump)  # fmt: skip
+    tp = run(cfg, sw, B * world, device, store, trace, allreduce=allreduce)
     if rank == 0:
         step_s = tp["timed_s"] / cfg.timed_steps
         result = {
@@ -336,7 +355,9 @@ def throughput_only(args, cfg, sw, device, store, work_dir, out, one, t0) -> Non
             "samples_per_s": B * world / step_s, "step_ms": step_s * 1e3,
             "one_gpu_samples_per_s": one["samples_per_s"], "one_gpu_step_ms": one["step_ms"],
             "speedup_vs_one_gpu": B * world / step_s / one["samples_per_s"],
-            **(allreduce_overlap(trace) if allreduce else {}),
+            **(comm_figures(trace, out, world, step_s, cfg.profiled_steps)
+               if allreduce else {}),
+            "nccl_ctas": args.nccl_ctas,
             "gpu_util": tp["gpu_util"], "env": knobs(), "wall_s": time.perf_counter() - t0,
         }  # fmt: skip
         name = args.name or f"ddp-x{world}-{'tp' if allreduce else 'no-allreduce'}"

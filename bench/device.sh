@@ -5,9 +5,9 @@
 #                                            on the ladder's workload shape, then bulk
 #                                            inference eager vs fast, then (time left) rung 11
 #   bash bench/device.sh ddp OUT COMMIT      two (or more) H200s: bench/ddp.py
-#   bash bench/device.sh ddp-diag OUT COMMIT two H200s: bench/ddp.py with the step's CUDA
-#                                            graph dumped, a no-all-reduce control, and
-#                                            NCCL/driver settings compared (throughput only)
+#   bash bench/device.sh ddp-ctas OUT COMMIT two (or more) H200s: the no-all-reduce control,
+#                                            NCCL's blocks per collective swept (CTAS),
+#                                            then bench/ddp.py in full with the best
 #   bash bench/device.sh research OUT COMMIT one H200: `quantloop run` only, `auto` reading
 #                                            the committed ladder result; twice, on two
 #                                            fresh homes (the spread of a cold run)
@@ -38,27 +38,26 @@ if [ "$stage" = ddp-nograph ]; then  # the same without the whole-step CUDA grap
   done 2>&1 | grep -v Warn | tee "$out/ddp-nograph.log" | tail -4
   exit 0
 fi
-if [ "$stage" = ddp-diag ]; then  # why the all-reduce does not overlap backward
-  env | grep -i "CUDA_DEVICE_MAX\|NCCL\|CUDA_LAUNCH" | sort
+if [ "$stage" = ddp-ctas ]; then  # the all-reduce under backward: NCCL's blocks capped
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl || exit 1  # pydantic, for the workload's config
   export PYTHONPATH=/tmp/site
-  run() { timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node "$1" \
+  run() { timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node "$1" \
             bench/ddp.py --out "$out" --commit "$commit" --work /tmp/ddp "${@:2}" 2>&1 \
             | grep -v Warn; }
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   run 1 | tail -1
-  run 2 --graph-dump /tmp/ddp/step.dot | tail -1 | cut -c1-400
-  gzip -c /tmp/ddp/step.dot.rank0 > "$out/step-graph-rank0.dot.gz"; ls -la /tmp/ddp/
-  echo "== at $((SECONDS - start)) s"
-  run 2 --no-allreduce | tail -1
-  NCCL_MAX_CTAS=2 NCCL_MIN_CTAS=2 run 2 --throughput-only --name ddp-x2-ctas2 | tail -1
-  NCCL_GRAPH_MIXING_SUPPORT=0 run 2 --throughput-only --name ddp-x2-nomixing | tail -1
-  CUDA_DEVICE_MAX_CONNECTIONS=32 run 2 --throughput-only --name ddp-x2-conn32 | tail -1
-  echo "== at $((SECONDS - start)) s"
-  timeout 60 python3 -c 'import json, sys; sys.path.insert(0, "."); from bench.checkout import use_checkout
-use_checkout(); from quantloop.profiling.distributed import collective_edges
-r = collective_edges("/tmp/ddp/step.dot.rank0"); print(json.dumps(r, indent=1)[:2000])
-json.dump(r, open(sys.argv[1], "w"), indent=1)' "$out/graph-edges.json"
+  run "$n" --no-allreduce | tail -1 | cut -c1-300  # the control: the step alone
+  for c in ${CTAS:-0 4 8 16}; do
+    run "$n" --throughput-only --nccl-ctas "$c" --name "ddp-x$n-ctas$c" | tail -1
+  done
+  echo "== sweep done at $((SECONDS - start)) s"
+  # the full run (equivalence, throughput, trace) with the cap of the shortest step
+  best=$(python3 -c 'import json, sys
+runs = [json.load(open(f)) for f in sys.argv[1:]]
+print(min(runs, key=lambda r: r["step_ms"])["nccl_ctas"])' "$out"/ddp-x$n-ctas*.json)
+  echo "== shortest step with --nccl-ctas $best"
+  run "$n" --nccl-ctas "$best" | tail -1 | cut -c1-1500
   echo "== at $((SECONDS - start)) s"
   exit 0
 fi

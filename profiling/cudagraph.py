@@ -29,7 +29,6 @@ class GraphedStep:
         layout: Layout,
         device: torch.device,
         eager_steps: int,
-        dump: str = "",
     ) -> None:
         if eager_steps < 3:
             raise ValueError(f"eager_steps must be >= 3 before capture, got {eager_steps}")
@@ -41,7 +40,6 @@ class GraphedStep:
         self.side = torch.cuda.Stream(device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.calls = 0
-        self.dump = dump  # a Graphviz file of the captured graph's nodes and edges
 
     def __call__(self, batch: torch.Tensor) -> None:
         self.static.copy_(batch, non_blocking=True)
@@ -54,12 +52,8 @@ class GraphedStep:
         else:
             if self.graph is None:
                 self.graph = torch.cuda.CUDAGraph()
-                if self.dump:
-                    self.graph.enable_debug_mode()
                 with torch.cuda.graph(self.graph):
                     self.step_fn(self.inputs)
-                if self.dump:
-                    self.graph.debug_dump(self.dump)
             self.graph.replay()
         self.calls += 1
 
@@ -70,6 +64,5 @@ def apply_cudagraph(
     *,
     device: torch.device,
     eager_steps: int,
-    dump: str = "",
 ) -> GraphedStep:
-    return GraphedStep(step_fn, layout, device, eager_steps, dump)
+    return GraphedStep(step_fn, layout, device, eager_steps)

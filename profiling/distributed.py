@@ -23,7 +23,6 @@ the collectives where they were issued (NCCL >= 2.9.6 allows capturing them).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -123,6 +122,20 @@ class GradBuckets:
             h.remove()
 
 
+def nccl_options(ctas: int):
+    """NCCL process-group options that cap each collective at `ctas` thread blocks (SMs).
+
+    Why: measured on two H200s (docs/ladder.md, "Two GPUs"), NCCL's default for these
+    0.8 MB buckets is 24 blocks of 104 KB shared memory each, and while they run the
+    backward's next cuBLAS kernel (a 132-block persistent GEMM, 200 KB each) does not start:
+    the all-reduce runs alone on the device. With 2 blocks it ran under compute (65% of
+    its time) but took 7x longer. 0 keeps NCCL's choice."""
+    opts = dist.ProcessGroupNCCL.Options()
+    if ctas:
+        opts.config.min_ctas = opts.config.max_ctas = ctas
+    return opts
+
+
 def rank_share(work: TrainingSet, rank: int, world: int, packing: bool) -> TrainingSet:
     """This rank's slice of every step's global batch (contiguous), packed on its own."""
     B = work.order.shape[1]
@@ -168,61 +181,6 @@ def allreduce_overlap(trace_path: str) -> dict:
         "allreduce_us": total,
         "allreduce_hidden_us": hidden,
         "allreduce_hidden_fraction": hidden / total if total > 0 else None,
-    }
-
-
-def collective_edges(dot_path: str) -> dict:
-    """From a CUDA graph's Graphviz dump (torch.cuda.CUDAGraph.debug_dump): for each NCCL
-    kernel node, the kernels it waits for and the kernels that wait for it, looking through
-    non-kernel nodes (event records and waits, memsets, empty nodes). A compute kernel
-    among the waiters is an edge that keeps the all-reduce from overlapping it."""
-    import re
-
-    text = Path(dot_path).read_text(errors="replace")
-    # one pass each: a node's text runs from its `"name"[` to the next one (labels span
-    # lines and hold brackets and quotes, so no pattern is matched across them)
-    starts = [(m.start(), m.group(1)) for m in re.finditer(r'^"([^"]+)"\s*\[', text, re.M)]
-    labels = {
-        name: text[pos : starts[i + 1][0] if i + 1 < len(starts) else len(text)]
-        for i, (pos, name) in enumerate(starts)
-    }
-    succ: dict[str, list[str]] = {n: [] for n in labels}
-    pred: dict[str, list[str]] = {n: [] for n in labels}
-    for a, b in re.findall(r'^"([^"]+)"\s*->\s*"([^"]+)"', text, re.M):
-        succ.setdefault(a, []).append(b)
-        pred.setdefault(b, []).append(a)
-
-    def kernel(n: str) -> str | None:
-        label = labels.get(n, "")
-        if "kernel" not in label.lower():
-            return None
-        names = re.findall(r"(nccl\w+|triton_\w+|nvjet\w+|_Z\w+|\b\w*[Kk]ernel\w*)", label)
-        return next((x for x in names if x != "cudaGraphNodeTypeKernel"), label[:60])
-
-    def first_kernels(n: str, nxt: dict[str, list[str]]) -> list[str]:
-        out, seen, todo = [], set(), list(nxt.get(n, []))
-        while todo:
-            m = todo.pop()
-            if m in seen:
-                continue
-            seen.add(m)
-            k = kernel(m)
-            if k is not None:
-                out.append(k)
-            else:
-                todo.extend(nxt.get(m, []))
-        return out
-
-    comm = [n for n in labels if "nccl" in labels[n].lower() and kernel(n)]
-    rows = [
-        {"node": n, "waits_for": first_kernels(n, pred), "waited_by": first_kernels(n, succ)}
-        for n in comm
-    ]
-    return {
-        "nodes": len(labels),
-        "kernels": sum(kernel(n) is not None for n in labels),
-        "edges": sum(len(v) for v in succ.values()),
-        "collectives": rows,
     }
 
 

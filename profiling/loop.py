@@ -92,9 +92,6 @@ class StepSettings:
     # gradients then become ready block by block (profiling.distributed overlaps their
     # all-reduce with the backward of the blocks below)
     compile_per_block: bool = False
-    # write the captured step's CUDA graph (nodes, edges) to this Graphviz file: which
-    # kernel waits for which is what decides whether two streams' work can overlap
-    graph_dump: str = ""
 
     @classmethod
     def of_ladder(cls, cfg: LadderConfig) -> StepSettings:
@@ -203,13 +200,7 @@ class Training:
         else:
             self.loader = SyncLoader(lambda step: make(work, step), device)
         self.graphed = (
-            apply_cudagraph(
-                step_fn,
-                self.layout,
-                device=device,
-                eager_steps=s.eager_steps,
-                dump=s.graph_dump,
-            )  # fmt: skip
+            apply_cudagraph(step_fn, self.layout, device=device, eager_steps=s.eager_steps)
             if sw.cudagraph
             else None
         )
