@@ -35,6 +35,7 @@ from quantloop.profiling.results import RungResult
 from quantloop.profiling.rungs import RUNGS, Switches
 from quantloop.profiling.streams import Layout
 from quantloop.profiling.workload import (
+    Windows,
     build_workload,
     next_move,
     pack_plan,
@@ -333,3 +334,14 @@ def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     assert {"equivalence.png", "equivalence.json", "trace"} <= arts
     parent_arts = {a.path for a in client.list_artifacts(result["mlflow_run_id"])}
     assert {"throughput.png", "ladder.md"} <= parent_arts
+
+
+def test_windows_hold_contiguous_ends_and_their_lengths():
+    # a research run's ends are a column of its [N, T] window index; the loader reads the
+    # lengths for every batch, so Windows keeps its own contiguous copy and computes them once
+    index = np.arange(40, dtype=np.int64).reshape(10, 4)
+    w = Windows(start=index[:, 0], end=index[:, -1])
+    assert w.end.flags["C_CONTIGUOUS"] and w.start.flags["C_CONTIGUOUS"]
+    assert not np.shares_memory(w.end, index)
+    assert np.array_equal(w.lengths, np.full(10, 4))
+    assert len(w) == 10
