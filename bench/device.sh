@@ -8,6 +8,9 @@
 #   bash bench/device.sh ddp-ctas OUT COMMIT two (or more) H200s: the no-all-reduce control,
 #                                            NCCL's blocks per collective swept (CTAS),
 #                                            then bench/ddp.py in full with the best
+#   bash bench/device.sh gap OUT COMMIT      one H200, one machine: the loader per batch, the
+#                                            ladder's rungs 1 and 10, the research training
+#                                            alone (bench/train_alone.py), `quantloop run`
 #   bash bench/device.sh research OUT COMMIT one H200: `quantloop run` only, `auto` reading
 #                                            the committed ladder result; twice, on two
 #                                            fresh homes (the spread of a cold run)
@@ -83,6 +86,31 @@ if [ "$stage" = ddp ]; then
   exit 0
 fi
 
+if [ "$stage" = gap ]; then  # the research run against the top rung, one machine
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+  params=$(realpath "$params")
+  timeout 90 python3 bench/loader.py --params "$params" --out "$out" 2>&1 | tail -5
+  echo "== loader at $((SECONDS - start)) s"
+  timeout 150 python3 bench/ladder.py --out /tmp/gap --work /tmp/gap-work --preset $preset \
+    --rungs 1,10 --controls "" --commit "$commit" --name ladder-h200-gap > /tmp/gap.log 2>&1
+  echo "== ladder rungs 1,10 rc $? at $((SECONDS - start)) s"; tail -4 /tmp/gap.log
+  cp /tmp/gap/ladder-h200-gap.json "$out/"
+  timeout 120 python3 bench/train_alone.py --params "$params" --out "$out" 2>&1 \
+    | grep -v Warn | tail -2
+  echo "== train_alone at $((SECONDS - start)) s"
+  home=/tmp/qhome
+  mkdir -p $home/ladder && cp bench/results/ladder-h200.json $home/ladder/ladder.json
+  (cd /tmp && timeout 220 python3 -P -m quantloop.cli run --params "$params" --home $home \
+    --summary-json "$out/research-h200.json" > /tmp/research.log 2>&1)
+  echo "== research rc $? at $((SECONDS - start)) s"; tail -12 /tmp/research.log
+  tar czf "$out/mlflow-h200.tar.gz" -C $home --exclude='*/trace/*' mlflow.db mlartifacts
+  for f in /tmp/gap.log /tmp/research.log $home/logs/*.log; do
+    [ -f "$f" ] && { echo "===== $f"; cat "$f"; }
+  done > "$out/run.log"
+  exit 0
+fi
 if [ "$stage" = research ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl || exit 1
