@@ -91,15 +91,20 @@ if [ "$stage" = gap ]; then  # the research run against the top rung, one machin
     --target /tmp/site "$wheels"/*.whl || exit 1
   export PYTHONPATH=/tmp/site
   params=$(realpath "$params")
-  timeout 90 python3 bench/loader.py --params "$params" --out "$out" 2>&1 | tail -5
-  echo "== loader at $((SECONDS - start)) s"
+  if [ -z "${SKIP_LOADER:-}" ]; then
+    timeout 90 python3 bench/loader.py --params "$params" --out "$out" --commit "$commit" \
+      2>&1 | tail -5
+    echo "== loader at $((SECONDS - start)) s"
+  fi
   timeout 150 python3 bench/ladder.py --out /tmp/gap --work /tmp/gap-work --preset $preset \
     --rungs 1,10 --controls "" --commit "$commit" --name ladder-h200-gap > /tmp/gap.log 2>&1
   echo "== ladder rungs 1,10 rc $? at $((SECONDS - start)) s"; tail -4 /tmp/gap.log
   cp /tmp/gap/ladder-h200-gap.json "$out/"
-  timeout 120 python3 bench/train_alone.py --params "$params" --out "$out" 2>&1 \
-    | grep -v Warn | tail -2
-  echo "== train_alone at $((SECONDS - start)) s"
+  if [ -z "${SKIP_ALONE:-}" ]; then
+    timeout 120 python3 bench/train_alone.py --params "$params" --out "$out" 2>&1 \
+      | grep -v Warn | tail -2
+    echo "== train_alone at $((SECONDS - start)) s"
+  fi
   home=/tmp/qhome
   mkdir -p $home/ladder && cp bench/results/ladder-h200.json $home/ladder/ladder.json
   (cd /tmp && timeout 220 python3 -P -m quantloop.cli run --params "$params" --home $home \

@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=200)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--commit", default="", help="default: git rev-parse of the checkout")
     args = ap.parse_args()
     ladder = build_workload(preset("h200"), args.store)
     data = research_data(json.loads(Path(args.params).read_text()))
@@ -92,7 +93,7 @@ def main() -> None:
             research, args.batches, args.reps, extra=lambda: ends - starts + 1
         ),
     }
-    commit = subprocess.run(
+    commit = args.commit or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
     result = {
