@@ -105,8 +105,8 @@ if [ "$stage" = gap ]; then  # the research run against the top rung, one machin
       | grep -v Warn | tail -2
     echo "== train_alone at $((SECONDS - start)) s"
   fi
-  home=/tmp/qhome
-  mkdir -p $home/ladder && cp bench/results/ladder-h200.json $home/ladder/ladder.json
+  home=/tmp/qhome-$commit  # fresh: a warm machine keeps /tmp, and a cached model is not a run
+  rm -rf $home && mkdir -p $home/ladder && cp bench/results/ladder-h200.json $home/ladder/ladder.json
   (cd /tmp && timeout 220 python3 -P -m quantloop.cli run --params "$params" --home $home \
     --summary-json "$out/research-h200.json" > /tmp/research.log 2>&1)
   echo "== research rc $? at $((SECONDS - start)) s"; tail -12 /tmp/research.log
