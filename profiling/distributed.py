@@ -76,8 +76,8 @@ class GradBuckets:
         # On a GPU the collectives run inside a stream of our own, joined back only in
         # finish(). Measured on two H200s (docs/ladder.md, "Two GPUs"): with async_op from
         # the compute stream 8.5% of all-reduce time overlapped compute, with this stream
-        # 2.4%; in both the next backward kernel starts only after each bucket's all-reduce
-        # kernel ends, for a reason not yet established. Kept: one explicit join.
+        # 2.4%; in both the next backward GEMM starts only when the all-reduce's blocks
+        # leave the SMs it needs (nccl_options caps them). Kept: one explicit join.
         self.stream = torch.cuda.Stream(opt.grad.device) if opt.grad.is_cuda else None
         self.hooks = [
             p.register_post_accumulate_grad_hook(self._ready(i)) for i, p in enumerate(params)
