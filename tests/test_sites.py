@@ -216,6 +216,7 @@ def test_a_worker_killed_mid_run_is_replaced_and_a_batch_that_keeps_killing_fail
 
     ws = two_sites
     with Client(ws.sites[0].scheduler_address, timeout="10s") as client:
+        pids: list[tuple[set[int], set[int]]] = []  # the site's worker processes before, after
 
         def run_killing(times: int, stage: StageParams, killed: list[int]):
             plugin = servers.KillWorkerGiven(BATCH_PREFIX, times)
@@ -223,17 +224,22 @@ def test_a_worker_killed_mid_run_is_replaced_and_a_batch_that_keeps_killing_fail
             client.register_plugin(plugin)
             try:
                 return features(stage)
-            finally:
+            finally:  # the plugin goes either way; the checks come after, outside
                 killed += client.run_on_scheduler(
                     lambda dask_scheduler: dask_scheduler.plugins["kill-worker-given"].killed
                 )
                 client.unregister_scheduler_plugin(plugin.name)
                 client.wait_for_workers(1, timeout=60)
-                assert killed and killed[0] in before
-                assert not set(killed) & set(client.run(os.getpid).values())  # new ones
+                pids.append((before, set(client.run(os.getpid).values())))
+
+        def killed_and_replaced(killed: list[int]) -> None:
+            before, after = pids[-1]
+            assert killed and killed[0] in before
+            assert not set(killed) & after  # the workers now are new ones
 
         killed: list[int] = []
         placed = run_killing(1, stage_of(ws), killed)
+        killed_and_replaced(killed)
         assert len(killed) == 1
         assert (placed.nodes, placed.computed, placed.failed) == (8, 8, 0)
         rows = rows_of(placed)
@@ -250,6 +256,7 @@ def test_a_worker_killed_mid_run_is_replaced_and_a_batch_that_keeps_killing_fail
         killed = []
         with pytest.raises(BatchFailed, match="site B: .*KilledWorker"):
             run_killing(100, other, killed)
+        killed_and_replaced(killed)
         assert len(killed) >= 4
     # Nothing of B's half was kept: no index entry a later run could take for an output.
     plan = plan_features(other)
