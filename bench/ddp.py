@@ -80,9 +80,10 @@ RUNG = Rung(
 
 def run(
     cfg, sw: Switches, global_batch: int, device, store: str, trace: str | None,
-    *, allreduce: bool = True,
+    *, allreduce: bool = True, predicts: bool = True,
 ) -> dict:  # fmt: skip
-    """Train on this rank's share of each step's `global_batch` windows; rank 0 predicts.
+    """Train on this rank's share of each step's `global_batch` windows; rank 0 predicts
+    the held-out windows (predicts=False: not, for a run that is only timed).
     allreduce=False: each rank steps on its own gradients (a control: the step without
     communication, to time what the all-reduce adds)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -150,7 +151,7 @@ def run(
     same = [torch.zeros_like(digest) for _ in range(world)]
     dist.all_gather(same, digest)
     out["weights_agree"] = len({float(t) for t in same}) == 1
-    if rank == 0 and allreduce:
+    if rank == 0 and predicts:
         out["pred_test"] = predict(model, work, work.test, c.predict_batch, device)
         out["pred_threshold"] = predict(model, work, work.threshold, c.predict_batch, device)
     return out
@@ -345,7 +346,7 @@ def throughput_only(args, cfg, sw, device, store, work_dir, out, one, t0) -> Non
     rank, world = dist.get_rank(), dist.get_world_size()
     B, allreduce = cfg.batch_size, not args.no_allreduce
     trace = str(work_dir / f"trace-{args.name or 'tp'}.json")
-    tp = run(cfg, sw, B * world, device, store, trace, allreduce=allreduce)
+    tp = run(cfg, sw, B * world, device, store, trace, allreduce=allreduce, predicts=False)
     if rank == 0:
         step_s = tp["timed_s"] / cfg.timed_steps
         result = {

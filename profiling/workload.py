@@ -91,8 +91,9 @@ class Windows:
 
     start and end are kept as contiguous int64 and the lengths computed once: the loader
     thread reads them for every batch, and a research run's ends arrive as a column of its
-    [N, T] window index (a stride of T * 8 bytes). Read through that view, the lengths
-    cost 1.2 ms a batch on a 2-core VM (0.2 ms contiguous), more than the step's GPU time."""
+    [N, T] window index (a stride of T * 8 bytes). Derived through that view for every
+    batch, the lengths cost 1.2 ms a batch on a 2-core VM (0.2 ms from contiguous arrays),
+    more than the H200's whole step (bench/loader.py)."""
 
     start: np.ndarray  # [N] int64
     end: np.ndarray  # [N] int64, the anchor row
