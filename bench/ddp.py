@@ -246,7 +246,7 @@ def main() -> None:
     log(f"split {B} over {world}: weights agree across ranks {eq_run['weights_agree']}")
     # (b) the same per-GPU batch on every GPU: throughput, and the trace of the overlap
     trace = str(work_dir / f"trace-{world}gpu.json")
-    tp = run(cfg, sw, B * world, device, store, trace)
+    tp = run(cfg, sw, B * world, device, store, trace, predicts=False)  # eq_run predicts
     if rank == 0:
         work, c = eq_run["work"], eq_run["cfg"]
         one_run = RungRun(
