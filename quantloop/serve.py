@@ -64,12 +64,18 @@ class Credentials:
         return "Credentials(...)"
 
 
+# auth_cache_ttl_seconds: MLflow checks the password hash (scrypt, ~0.1 s of CPU here) on
+# every request unless a good check is cached; uncached, each API call of a run took
+# 250-330 ms on a 2-core VM against ~70 ms with the cache (a research run's ~90 calls: 22 s).
+# MLflow leaves it off because each worker process caches on its own; this server runs one
+# worker (--workers 1), where a password change through the API drops the entry at once.
 MLFLOW_AUTH_INI = """[mlflow]
 default_permission = READ
 database_uri = sqlite:///{db}
 admin_username = {user}
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 grant_default_workspace_access = false
+auth_cache_ttl_seconds = 300
 """
 
 

@@ -39,13 +39,17 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
 
 @contextlib.contextmanager
 def mlflow_server(
-    folder: Path, credentials: tuple[str, str] | None = None, port: int | None = None
+    folder: Path,
+    credentials: tuple[str, str] | None = None,
+    port: int | None = None,
+    auth_ini: str | None = None,
 ) -> Iterator[str]:
     """`mlflow server` on a free loopback port with a SQLite store; yields its URI.
 
     With credentials (user, password: 12 characters or more), MLflow's basic-auth app
-    runs in front of it: every request needs them, that user is its admin. A given port
-    (and folder) restarts a stopped server on its store.
+    runs in front of it: every request needs them, that user is its admin; its settings
+    are `quantloop serve`'s (quantloop.serve.MLFLOW_AUTH_INI) unless auth_ini gives
+    others. A given port (and folder) restarts a stopped server on its store.
     """
     port = port or free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -55,7 +59,7 @@ def mlflow_server(
         ini = folder / "auth.ini"
         from quantloop.serve import MLFLOW_AUTH_INI  # the one `quantloop serve` writes
 
-        ini.write_text(MLFLOW_AUTH_INI.format(db=folder / "auth.db", user=user))
+        ini.write_text((auth_ini or MLFLOW_AUTH_INI).format(db=folder / "auth.db", user=user))
         env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_PASSWORD=password,
                    MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex())  # fmt: skip
         auth = ["--app-name", "basic-auth"]
