@@ -41,6 +41,26 @@ def test_mlflow_refuses_a_request_without_credentials(mlflow_uri):
     assert status(f"{mlflow_uri}/health") == 200  # what a load balancer probes
 
 
+def test_a_wrong_password_is_refused_after_the_right_one_was_accepted(mlflow_uri):
+    # the server caches good credential checks (auth_cache_ttl_seconds): the cache is keyed
+    # by the password too, so a wrong one still gets 401 right after the right one
+    import base64
+
+    def with_password(password: str) -> int:
+        url = f"{mlflow_uri}/api/2.0/mlflow/experiments/search?max_results=1"
+        token = base64.b64encode(f"{MLFLOW_USER}:{password}".encode()).decode()
+        req = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert with_password(MLFLOW_PASSWORD) == 200
+    assert with_password(MLFLOW_PASSWORD + "x") == 401
+    assert with_password(MLFLOW_PASSWORD) == 200
+
+
 def test_a_tracking_block_carries_its_own_credentials(mlflow_uri, no_credential_env):
     locked = MlflowTracking(tracking_uri=mlflow_uri, experiment="auth-test")
     with pytest.raises(Exception, match="401|Unauthorized|credentials"):
