@@ -195,6 +195,7 @@ def save_site(served: Served, name: str, root: Path) -> None:
 @pytest.mark.server
 def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import expect, sync_playwright
 
     browser_path = chromium()
@@ -254,7 +255,22 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypat
             steps = field(page, "Steps")
             assert steps.input_value() == "20"
             steps.fill("10")
+            steps.press("Tab")  # the form takes the value when the field is left
+            expect(steps).to_have_value("10")
             page.get_by_role("button", name="Submit").click()
+            # Prefect goes back to the deployment's runs and says "<run> scheduled to start
+            # now" once it has created the run. A fresh-clone suite once found no run 60 s
+            # after Submit (and passed again at once): if it happens again, the error says
+            # what the page showed instead.
+            try:
+                page.get_by_text(re.compile("scheduled to start now")).wait_for(timeout=60_000)
+            except PlaywrightTimeout:
+                page.screenshot(path=str(tmp_path / "after-submit.png"))
+                shown = page.get_by_role("alert").all_inner_texts()
+                raise AssertionError(
+                    f"Submit created no flow run: the page stayed at {page.url}, alerts "
+                    f"{shown}, screenshot {tmp_path / 'after-submit.png'}"
+                ) from None
 
             deadline = time.monotonic() + 60
             while not (runs := flow_runs(served, "research/desk")):
