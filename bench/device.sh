@@ -124,7 +124,8 @@ if [ "$stage" = research ]; then
   params=$(realpath "$params")
   for i in 1 2; do
     home=/tmp/qhome-$i
-    mkdir -p $home/ladder && cp bench/results/ladder-h200.json $home/ladder/ladder.json
+    rm -rf $home && mkdir -p $home/ladder  # fresh: a warm machine keeps /tmp
+    cp bench/results/ladder-h200.json $home/ladder/ladder.json
     (cd /tmp && timeout 240 python3 -P -m quantloop.cli run --params $params --home $home \
       --summary-json "$out/research-h200-$i.json" > /tmp/research-$i.log 2>&1)
     echo "== research $i rc $? at $((SECONDS - start)) s"; tail -12 /tmp/research-$i.log

@@ -35,12 +35,10 @@ use_checkout()
 
 import numpy as np  # noqa: E402
 
+from bench.train_alone import research_days  # noqa: E402
 from quantloop.profiling.config import preset  # noqa: E402
 from quantloop.profiling.trainer import training_set  # noqa: E402
 from quantloop.profiling.workload import build_workload, packed_batch, packed_spec  # noqa: E402
-from quantloop.tasks.features import FeatureParams, compute_features, feature_set  # noqa: E402
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day  # noqa: E402
-from quantloop.tasks.train_config import TrainConfig  # noqa: E402
 from quantloop.tasks.training import prepare  # noqa: E402
 
 
@@ -60,16 +58,7 @@ def per_batch_ms(work, batches: int, reps: int, extra=None) -> float:
 
 
 def research_data(params: dict):
-    synth = SyntheticConfig(**params["data"]["synthetic"])
-    n_train = params["data"]["n_dates"] - 1  # the last date is held out (holdout 0.25)
-    dates, d = [], dt.date(2026, 3, 2)
-    while len(dates) < n_train:
-        if d.weekday() < 5:
-            dates.append(d)
-        d += dt.timedelta(days=1)
-    fs = feature_set(FeatureParams())
-    tables = [compute_features(generate_day("SYNA", day, synth), FeatureParams()) for day in dates]
-    cfg = TrainConfig(**{k: v for k, v in params["train"].items() if k != "optimizations"})
+    tables, fs, cfg = research_days(params)
     return prepare(tables, fs.inputs, fs.labels, cfg)
 
 
@@ -93,9 +82,12 @@ def main() -> None:
             research, args.batches, args.reps, extra=lambda: ends - starts + 1
         ),
     }
-    commit = args.commit or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    )
     result = {
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",

@@ -28,13 +28,33 @@ import torch  # noqa: E402
 
 from quantloop.profiling.proof import plan_rungs  # noqa: E402
 from quantloop.profiling.trainer import train_applied, training_set  # noqa: E402
-from quantloop.tasks.features import FeatureParams, compute_features, feature_set  # noqa: E402
+from quantloop.tasks.features import (  # noqa: E402
+    FeatureParams,
+    FeatureSet,
+    compute_features,
+    feature_set,
+)
+from quantloop.tasks.landing import business_days  # noqa: E402
 from quantloop.tasks.synthetic import SyntheticConfig, generate_day  # noqa: E402
 from quantloop.tasks.train_config import TrainConfig  # noqa: E402
 from quantloop.tasks.training import prepare  # noqa: E402
 
 RUNGS = ("compile", "bf16", "device_metrics", "fused_kernel", "streams", "cudagraph", "packing",
          "flex_attention", "flat_grads")  # fmt: skip
+
+
+def research_days(params: dict) -> tuple[list, FeatureSet, TrainConfig]:
+    """The research run's training days for a params file (synthetic, one product), their
+    features as the flow computes them, its feature layout and train config."""
+    synth = SyntheticConfig(**params["data"]["synthetic"])
+    n_train = params["data"]["n_dates"] - 1  # the last date is held out (holdout 0.25)
+    fs = feature_set(FeatureParams())
+    tables = [
+        compute_features(generate_day("SYNA", day, synth), FeatureParams())
+        for day in business_days(dt.date(2026, 3, 2), n_train)
+    ]
+    cfg = TrainConfig(**{k: v for k, v in params["train"].items() if k != "optimizations"})
+    return tables, fs, cfg
 
 
 def main() -> None:
@@ -44,16 +64,7 @@ def main() -> None:
     ap.add_argument("--variants", default="alone")
     args = ap.parse_args()
     params = json.loads(Path(args.params).read_text())
-    synth = SyntheticConfig(**params["data"]["synthetic"])
-    n_train = params["data"]["n_dates"] - 1  # the last date is held out (holdout 0.25)
-    dates, d = [], dt.date(2026, 3, 2)
-    while len(dates) < n_train:  # business days, as tasks.landing.business_days
-        if d.weekday() < 5:
-            dates.append(d)
-        d += dt.timedelta(days=1)
-    fs = feature_set(FeatureParams())
-    tables = [compute_features(generate_day("SYNA", day, synth), FeatureParams()) for day in dates]
-    cfg = TrainConfig(**{k: v for k, v in params["train"].items() if k != "optimizations"})
+    tables, fs, cfg = research_days(params)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     plan = plan_rungs(RUNGS, device)
     data = prepare(tables, fs.inputs, fs.labels, cfg)
