@@ -12,6 +12,7 @@ step through it, so a research run applies exactly the pieces the ladder measure
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -165,18 +166,23 @@ class Training:
             logger = HostLogger(model)
         self.opt, self.logger = opt, logger
         net = apply_packing(model, flex=sw.flex_attention) if sw.packing else model
+        how = {"backend": s.compile_backend, "autotune": sw.autotune, "combo": sw.combo_kernels}
         if sw.compile and s.compile_per_block:
-            layers = net.layers if sw.packing else model.blocks
-            compile_each(layers, backend=s.compile_backend, autotune=sw.autotune)
+            compile_each(net.layers if sw.packing else model.blocks, **how)
         elif sw.compile:
-            net = apply_compile(net, backend=s.compile_backend, autotune=sw.autotune)
+            net = apply_compile(net, **how)
         self.net = net
         self.flex = FlexMask(work.pack_rows, work.max_len, device) if sw.flex_attention else None
         inputs = ("x", "pos", "seg", "last", "count") if sw.packing else ("x", "mask")
         flex = self.flex
+        # rung 12: the loader lists the mask's blocks (else FlexMask makes them each step)
+        mask_block = flex.block if flex is not None and sw.loader_mask else 0
+        lists = ("kv_num", "kv_idx") if mask_block else ()
 
         def step_fn(batch: dict[str, torch.Tensor]) -> None:
-            extra = {"block_mask": flex.update(batch["seg"])} if flex is not None else {}
+            extra = {}
+            if flex is not None:
+                extra["block_mask"] = flex.update(batch["seg"], *(batch[k] for k in lists))
             with autocast(device, sw.bf16):
                 pred = net(*(batch[k] for k in inputs), **extra)
             pred = pred.float()
@@ -190,8 +196,12 @@ class Training:
             logger.advance()
 
         self.step_fn = step_fn
-        make = packed_batch if sw.packing else padded_batch
-        self.layout = Layout((packed_spec if sw.packing else padded_spec)(work, s.batch_size))
+        if sw.packing:
+            spec = packed_spec(work, s.batch_size, mask_block)
+            make = functools.partial(packed_batch, mask_block=mask_block)
+        else:
+            spec, make = padded_spec(work, s.batch_size), padded_batch
+        self.layout = Layout(spec)
         if sw.streams:
             self.loader = Prefetcher(
                 lambda step, views: make(work, step, out=views), self.layout, s.steps, device,

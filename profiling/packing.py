@@ -142,9 +142,20 @@ class FlexMask:
             num, idx, BLOCK_SIZE=self.block, mask_mod=same_window, seq_lengths=(T, T)
         )
 
-    def update(self, seg: torch.Tensor) -> BlockMask:
+    def update(
+        self,
+        seg: torch.Tensor,
+        kv_num: torch.Tensor | None = None,
+        kv_idx: torch.Tensor | None = None,
+    ) -> BlockMask:
+        """The mask of this batch's packing. kv_num/kv_idx: its block lists made by the
+        loader (rung 12, workload.window_block_lists); without them they are computed here,
+        on the device (window_blocks: ~17 small kernels a step on an H200)."""
         self.seg.copy_(seg)
-        num, idx = window_blocks(seg, self.block)
+        if kv_num is None or kv_idx is None:
+            num, idx = window_blocks(seg, self.block)
+        else:
+            num, idx = kv_num, kv_idx
         bm = self.block_mask
         for dst in (bm.kv_num_blocks, bm.q_num_blocks):
             dst.copy_(num)

@@ -142,7 +142,8 @@ def plan_rungs(
     """Resolve TrainConfig.optimizations for `device`.
 
     "none": nothing. "auto": the latest proof's combination that runs here (requirements
-    kept: a switch whose requirement cannot run is dropped with it). A list: those names;
+    kept: a switch whose requirement cannot run is dropped with it), less the rungs whose
+    `not_auto` says why a research run should not pay for them. A list: those names;
     ValueError if one lacks a switch it requires; those this machine cannot run are
     dropped with the reason, and names outside the proof's combination are reported as
     unproven (applied: the list is the user's choice).
@@ -166,7 +167,10 @@ def plan_rungs(
         for n in wanted
         if n not in here
     }
-    keep = [n for n in wanted if n in here]
+    if requested == "auto":  # proven, but not worth it for a research run: only by name
+        dropped |= {n: BY_SWITCH[n].not_auto for n in wanted if BY_SWITCH[n].not_auto
+                    and n not in dropped}  # fmt: skip
+    keep = [n for n in wanted if n not in dropped]
     while lacking := missing_requirements(keep):  # a requirement dropped drops its users
         for n, needs in lacking.items():
             dropped[n] = f"needs {', '.join(needs)}, which is dropped"

@@ -22,6 +22,9 @@ class Rung:
     cuda_only: str  # why a CPU cannot run it ("" = runs anywhere)
     predicted: str  # the gain expected before measuring, and why
     requires: tuple[str, ...] = ()  # switches this one cannot run without
+    # why `auto` (profiling.proof) leaves this rung out even where the ladder proved it; a
+    # research run still applies it when asked for by name ("" = auto applies it)
+    not_auto: str = ""
 
 
 RUNGS: tuple[Rung, ...] = (
@@ -117,12 +120,39 @@ RUNGS: tuple[Rung, ...] = (
         "copied into the fused optimizer's flat buffer by one multi-tensor copy, instead of "
         "55 accumulate-add kernels and a memset: ~0.08 ms of kernels and ~55 launch gaps",
     ),
+    # Rungs 11-12 were predicted from rung 10's H200 trace (ladder-h200.traces, d83b956):
+    # 1.519 ms of kernels per 1.675 ms step in 288 kernels (~0.54 us idle between two);
+    # 54 of them are Inductor's casts (weights to bf16, their gradients back to float32),
+    # 70 us, 1.3 us each; FlexMask.update builds the block mask in 17 eager kernels, 45 us.
+    # Autotune, measured as rung 11 before them (1.03x, 153 s of compile), is now last.
     Rung(
         number=11,
+        name="combo_kernels",
+        switch="combo_kernels",
+        cuda_only="Inductor's combo kernels are Triton kernels: CUDA only",
+        requires=("compile",),
+        predicted="1.05x: Inductor's combo kernels launch up to 8 independent small kernels "
+        "as one; the 54 casts become ~7-10 kernels: ~60 us of kernel time and ~45 gaps "
+        "(~25 us) go, 1.675 -> ~1.59 ms",
+    ),
+    Rung(
+        number=12,
+        name="loader_mask",
+        switch="loader_mask",
+        cuda_only="",
+        requires=("flex_attention",),
+        predicted="1.03x: the loader thread lists each query block's key blocks in NumPy "
+        "(~50 us a batch, hidden under the step) and they travel in the batch's one copy; "
+        "FlexMask.update's 17 kernels (45 us) become 5 copies (~6 us), ~12 gaps go",
+    ),
+    Rung(
+        number=13,
         name="autotune",
         switch="autotune",
         cuda_only="Inductor's max-autotune GEMM templates are Triton kernels: CUDA only",
         requires=("compile",),
+        not_auto="its compile takes minutes (153 s on an H200, rung 11 then) for a few "
+        "percent of a research run's training, which lasts seconds",
         predicted="1.1x: Inductor's max-autotune picks Triton GEMM templates for these small "
         "K=128 shapes and fuses bias/GELU/residual epilogues into them (fewer, larger "
         "kernels); cuBLAS's split-K reductions (16 per step) go; compile time grows",
@@ -143,6 +173,8 @@ class Switches:
     packing: bool = False
     flex_attention: bool = False
     flat_grads: bool = False
+    combo_kernels: bool = False
+    loader_mask: bool = False
     autotune: bool = False
 
     @classmethod

@@ -324,14 +324,22 @@ def pack_fields(
     }
 
 
-def packed_batch(work: TrainingSet, step: int, out: dict[str, np.ndarray] | None = None) -> dict:
-    """The step's windows packed into [R, T] rows, same windows and order as padded_batch."""
+def packed_batch(
+    work: TrainingSet, step: int, out: dict[str, np.ndarray] | None = None, mask_block: int = 0
+) -> dict:
+    """The step's windows packed into [R, T] rows, same windows and order as padded_batch.
+
+    mask_block > 0 (rung 12, loader_mask): also FlexAttention's block lists for blocks of
+    that many events (kv_num, kv_idx: window_block_lists), so the device does not build
+    them each step."""
     which = work.order[step]
     T, R = work.max_len, work.pack_rows
     fields = pack_fields(
         work.train.start[which], work.train.lengths[which], work.pack_row[step],
         work.pack_off[step], T, R, work.pad_row,
     )  # fmt: skip
+    if mask_block:
+        fields["kv_num"], fields["kv_idx"] = window_block_lists(fields["seg"], mask_block)
     src = fields.pop("src")
     if out is None:
         return {"x": work.features[src].reshape(R, T, -1), **fields, "y": work.labels[which]}
@@ -342,9 +350,35 @@ def packed_batch(work: TrainingSet, step: int, out: dict[str, np.ndarray] | None
     return out
 
 
-def packed_spec(work: TrainingSet, batch_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+def window_block_lists(seg: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which key blocks each query block of a packed row needs: kv_num [R, 1, n] and
+    kv_idx [R, 1, n, n] (int32) for n = T / block blocks; BlockMask's layout.
+
+    Windows are contiguous runs of one seg value (padding, the tail, is one run too), so
+    the keys a query block needs run from the start of the window of its first position to
+    the end of the window of its last one: one contiguous range of key blocks, listed
+    first; the rest of a row of kv_idx repeats the last block (never read).
+    """
+    R, T = seg.shape
+    n = T // block
+    pos = np.broadcast_to(np.arange(T), (R, T))
+    change = seg[:, 1:] != seg[:, :-1]  # [R, T-1]
+    edge = np.ones((R, 1), dtype=bool)
+    w_start = np.maximum.accumulate(np.where(np.hstack([edge, change]), pos, 0), axis=1)
+    w_end = np.where(np.hstack([change, edge]), pos, T - 1)[:, ::-1]
+    w_end = np.minimum.accumulate(w_end, axis=1)[:, ::-1]
+    lo = w_start[:, ::block] // block  # [R, n]
+    hi = w_end[:, block - 1 :: block] // block
+    num = (hi - lo + 1).astype(np.int32)[:, None]
+    idx = np.minimum(lo[..., None] + np.arange(n), n - 1).astype(np.int32)[:, None]
+    return num, idx
+
+
+def packed_spec(
+    work: TrainingSet, batch_size: int, mask_block: int = 0
+) -> dict[str, tuple[tuple[int, ...], str]]:
     B, T, R, F, L = batch_size, work.max_len, work.pack_rows, work.n_features, work.labels.shape[1]
-    return {
+    spec = {
         "x": ((R, T, F), "float32"),
         "seg": ((R, T), "int64"),
         "pos": ((R, T), "int64"),
@@ -352,3 +386,7 @@ def packed_spec(work: TrainingSet, batch_size: int) -> dict[str, tuple[tuple[int
         "count": ((B,), "float32"),
         "y": ((B, L), "float32"),
     }
+    if mask_block:
+        n = T // mask_block
+        spec |= {"kv_num": ((R, 1, n), "int32"), "kv_idx": ((R, 1, n, n), "int32")}
+    return spec

@@ -298,9 +298,14 @@ def test_ladder_flow_on_cpu(prefect_api, tmp_path):
     result = ladder(params)
     rungs = {r["name"]: r for r in result["rungs"]}
     assert [r["number"] for r in result["rungs"]] == list(range(1, len(RUNGS) + 1))
-    for name in ("fused_kernel", "streams", "cuda_graph", "flex_attention", "autotune"):
+    for name in (
+        "fused_kernel", "streams", "cuda_graph", "flex_attention", "combo_kernels", "autotune",
+    ):  # fmt: skip
         assert rungs[name]["skipped"].startswith("skipped: no CUDA device")
     assert rungs["flat_grads"]["skipped"] == "skipped: needs fused_kernel, which cannot run here"
+    assert rungs["loader_mask"]["skipped"] == (
+        "skipped: needs flex_attention, which cannot run here"
+    )
     ran = [r for r in result["rungs"] if not r["skipped"]]
     assert [r["name"] for r in ran] == [
         "baseline",

@@ -25,7 +25,8 @@ from quantloop.profiling.packing import FlexMask, PackedNet, window_blocks
 from quantloop.profiling.proof import plan_rungs, proof_from_result
 from quantloop.profiling.rungs import RUNGS
 from quantloop.profiling.trainer import train_applied
-from quantloop.profiling.workload import build_workload, packed_batch
+from quantloop.profiling.compile import inductor_options
+from quantloop.profiling.workload import build_workload, packed_batch, window_block_lists
 from quantloop.tasks.train_config import OPTIMIZATIONS, TrainConfig
 from quantloop.tasks.training import (
     load_model,
@@ -109,6 +110,35 @@ def test_the_proof_stops_at_the_first_rung_that_is_not_equivalent(tmp_path, monk
     plan = plan_rungs("auto", CPU, [path])
     assert plan.proof.source == str(path)
     assert plan.rungs == ("compile", "bf16", "device_metrics", "packing")
+
+
+def test_auto_leaves_out_what_a_research_run_should_not_pay_for(monkeypatch):
+    """A result that proved every rung, read where every rung runs (runnable patched):
+    `auto` applies all but autotune (minutes of compile), which a list still applies."""
+    result = json.loads(H200_RESULT.read_text())
+    row = result["rungs"][-1]
+    top = {**row, "number": 13, "name": "autotune", "switches": dict.fromkeys(OPTIMIZATIONS, True)}
+    newer = {**result, "rungs": [*result["rungs"], top], "date": "2099-01-01T00:00:00+00:00"}
+    monkeypatch.setattr(proof, "device_class", lambda device: "cuda/NVIDIA H200")
+    monkeypatch.setattr(proof, "runnable", lambda device: set(OPTIMIZATIONS))
+    monkeypatch.setattr(proof, "recorded_proofs", lambda extra=(): [
+        proof.proof_from_result(newer, "newer.json")])  # fmt: skip
+    plan = plan_rungs("auto", CPU)
+    assert plan.proof.proven == OPTIMIZATIONS
+    assert plan.rungs == OPTIMIZATIONS[:-1] and list(plan.dropped) == ["autotune"]
+    assert "compile takes minutes" in plan.dropped["autotune"]
+    assert plan_rungs(OPTIMIZATIONS, CPU).rungs == OPTIMIZATIONS  # asked for by name
+
+
+def test_inductor_options_are_inductors():
+    """torch.compile rejects an unknown option only when it compiles (on a GPU, here never):
+    the names are checked against this torch's Inductor config."""
+    known = torch._inductor.config.get_config_copy()
+    for autotune, combo in ((True, False), (False, True), (True, True)):
+        options = inductor_options(autotune=autotune, combo=combo)
+        assert options and set(options) <= set(known)
+    assert inductor_options(autotune=False, combo=True) == {"combo_kernels": True}
+    assert inductor_options(autotune=False, combo=False) == {}
 
 
 def test_an_explicit_list_is_checked_and_what_cannot_run_is_dropped():
@@ -222,6 +252,20 @@ def test_flex_block_mask_lists_exactly_the_blocks_a_window_spans(work):
             assert torch.equal(listed, need)
 
 
+def test_the_loaders_block_lists_are_the_devices(work):
+    """Rung 12 lists the blocks on the host (NumPy); rungs 9-11 on the device (torch)."""
+    for step in range(6):
+        b = packed_batch(work, step, mask_block=8)
+        seg = torch.from_numpy(b["seg"])
+        for block in (4, 8, 16):
+            num, idx = window_block_lists(b["seg"], block)
+            ref_num, ref_idx = window_blocks(seg, block)
+            assert num.dtype == idx.dtype == np.int32
+            assert np.array_equal(num, ref_num.numpy()) and np.array_equal(idx, ref_idx.numpy())
+        assert np.array_equal(b["kv_num"], window_block_lists(b["seg"], 8)[0])
+    assert "kv_num" not in packed_batch(work, 0)  # only when asked for
+
+
 def test_flex_forward_is_the_dense_forward(work):
     """FlexAttention has no backward on a CPU; its forward here is checked against the
     dense block-diagonal mask (the H200 ladder checks training, rung 9)."""
@@ -231,9 +275,12 @@ def test_flex_forward_is_the_dense_forward(work):
     for step in (0, 5):
         b = packed_batch(work, step)
         args = [torch.from_numpy(b[k]) for k in ("x", "pos", "seg", "last", "count")]
+        lists = [torch.from_numpy(a) for a in window_block_lists(b["seg"], mask.block)]
         with torch.no_grad():
             dense, flex = net(*args), net(*args, block_mask=mask.update(args[2]))
+            loaded = net(*args, block_mask=mask.update(args[2], *lists))
         assert torch.allclose(flex, dense, rtol=1e-5, atol=1e-6)
+        assert torch.equal(loaded, flex)  # the same mask, listed by the loader
 
 
 def test_handing_gradients_over_is_accumulating_them():
