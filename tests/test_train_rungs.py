@@ -16,6 +16,7 @@ import torch
 from quantloop.flows.train import model_key
 from quantloop.models.orderbook import OrderBookNet
 from quantloop.profiling import proof
+from quantloop.profiling.compile import inductor_options
 from quantloop.profiling.config import BF16, FP32, cpu_tiny
 from quantloop.profiling.equivalence import max_rel_dev, rel_l2
 from quantloop.profiling.inference import Predictor, inference_rungs
@@ -25,7 +26,6 @@ from quantloop.profiling.packing import FlexMask, PackedNet, window_blocks
 from quantloop.profiling.proof import plan_rungs, proof_from_result
 from quantloop.profiling.rungs import RUNGS
 from quantloop.profiling.trainer import train_applied
-from quantloop.profiling.compile import inductor_options
 from quantloop.profiling.workload import build_workload, packed_batch, window_block_lists
 from quantloop.tasks.train_config import OPTIMIZATIONS, TrainConfig
 from quantloop.tasks.training import (
