@@ -3,7 +3,7 @@
 #
 #   bash bench/device.sh h200 OUT COMMIT     one H200: `quantloop ladder`, then `quantloop run`
 #                                            on the ladder's workload shape, then bulk
-#                                            inference eager vs fast, then (time left) rung 13
+#                                            inference eager vs fast, then (time left) rung 14
 #   bash bench/device.sh ddp OUT COMMIT      two (or more) H200s: bench/ddp.py
 #   bash bench/device.sh ddp-ctas OUT COMMIT two (or more) H200s: the no-all-reduce control,
 #                                            NCCL's blocks per collective swept (CTAS),
@@ -144,13 +144,13 @@ if [ -z "${SKIP_INSTALL:-}" ]; then
 fi
 echo "== wheels installed at $((SECONDS - start)) s"
 home=${QHOME:-/tmp/qhome}
-# 1. the ladder flow (Prefect's ephemeral API, MLflow's SQLite store under home); rung 13
+# 1. the ladder flow (Prefect's ephemeral API, MLflow's SQLite store under home); rung 14
 #    (autotune) apart, at the end: its compile takes minutes
 # from /tmp: the checkout's quantloop/ folder (without its package-dir mapping) must not
 # shadow the installed wheel, here or in the subprocesses (Prefect's server, Dask workers)
 params=$(realpath "$params")
 cd /tmp
-timeout 330 python3 -P -m quantloop.cli ladder --preset $preset --home $home --rungs 1,2,3,4,5,6,7,8,9,10,11,12 \
+timeout 330 python3 -P -m quantloop.cli ladder --preset $preset --home $home --rungs 1,2,3,4,5,6,7,8,9,10,11,12,13 \
   > /tmp/ladder.log 2>&1
 echo "== ladder rc $? at $((SECONDS - start)) s"; tail -25 /tmp/ladder.log
 cp $home/ladder/ladder.json "$out/ladder-h200.json"
@@ -169,11 +169,11 @@ timeout 90 python3 bench/inference.py --model "$model" --out "$out" --commit "$c
 echo "== inference at $((SECONDS - start)) s"
 # MLflow's store and artifacts, less the rung traces (they are in the traces tarball)
 tar czf "$out/mlflow-h200.tar.gz" -C $home --exclude='*/trace/*' mlflow.db mlartifacts
-# 4. rung 13 in the time left (bench/ladder.py: rung 1 again as its reference)
+# 4. rung 14 in the time left (bench/ladder.py: rung 1 again as its reference)
 left=$((560 - (SECONDS - start)))
 if [ $left -gt 120 ] && [ -z "${SKIP_AUTOTUNE:-}" ]; then
   timeout $left python3 bench/ladder.py --out /tmp/autotune --work /tmp/autotune-work \
-    --preset $preset --rungs 1,13 --controls fp32 --commit "$commit" --name ladder-h200-autotune \
+    --preset $preset --rungs 1,14 --controls fp32 --commit "$commit" --name ladder-h200-autotune \
     > /tmp/autotune.log 2>&1
   echo "== autotune rc $? at $((SECONDS - start)) s"
   tail -6 /tmp/autotune.log
@@ -181,7 +181,7 @@ if [ $left -gt 120 ] && [ -z "${SKIP_AUTOTUNE:-}" ]; then
 else
   echo "== autotune not run: $left s left"
 fi
-# one log of every step (the 8-file limit): ladder, research run (and its log file), rung 13
+# one log of every step (the 8-file limit): ladder, research run (and its log file), rung 14
 for f in /tmp/ladder.log /tmp/research.log $home/logs/*.log /tmp/autotune.log; do
   [ -f "$f" ] && { echo "===== $f"; cat "$f"; }
 done > "$out/run.log"

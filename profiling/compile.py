@@ -1,5 +1,5 @@
 """Rung 2: torch.compile of the forward module (forward and backward through AOTAutograd);
-rung 11 turns on Inductor's combo kernels for it, rung 13 its max-autotune."""
+rung 11 turns on Inductor's combo kernels for it, rung 14 its max-autotune."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def apply_compile(
 
     combo (rung 11): Inductor launches independent small kernels of a graph (the weights'
     bf16 casts, their gradients' float32 casts) as one combo kernel, up to 8 at a time.
-    autotune (rung 13): Inductor benchmarks Triton GEMM templates against cuBLAS for each
+    autotune (rung 14): Inductor benchmarks Triton GEMM templates against cuBLAS for each
     matmul shape and can fuse elementwise epilogues into the chosen template; no
     cudagraphs of its own, because rung 7 captures the whole step itself
     (profiling.cudagraph). Both are Inductor's options: other backends ignore them.

@@ -26,7 +26,13 @@ from quantloop.profiling.compile import apply_compile, compile_each
 from quantloop.profiling.config import LadderConfig
 from quantloop.profiling.cudagraph import apply_cudagraph
 from quantloop.profiling.metrics import DeviceLogger, HostLogger
-from quantloop.profiling.packing import FlexMask, apply_packing
+from quantloop.profiling.packing import (
+    FLEX_BLOCK,
+    FLEX_BLOCKS,
+    FLEX_TILES,
+    FlexMask,
+    apply_packing,
+)
 from quantloop.profiling.precision import apply_precision, autocast
 from quantloop.profiling.rungs import Rung, Switches
 from quantloop.profiling.streams import Layout, Prefetcher, SyncLoader
@@ -165,14 +171,18 @@ class Training:
         else:
             logger = HostLogger(model)
         self.opt, self.logger = opt, logger
-        net = apply_packing(model, flex=sw.flex_attention) if sw.packing else model
+        tiles = FLEX_TILES if sw.flex_blocks else None
+        net = apply_packing(model, flex=sw.flex_attention, tiles=tiles) if sw.packing else model
         how = {"backend": s.compile_backend, "autotune": sw.autotune, "combo": sw.combo_kernels}
         if sw.compile and s.compile_per_block:
             compile_each(net.layers if sw.packing else model.blocks, **how)
         elif sw.compile:
             net = apply_compile(net, **how)
         self.net = net
-        self.flex = FlexMask(work.pack_rows, work.max_len, device) if sw.flex_attention else None
+        self.flex = None
+        if sw.flex_attention:
+            block = FLEX_BLOCKS if sw.flex_blocks else FLEX_BLOCK
+            self.flex = FlexMask(work.pack_rows, work.max_len, device, block=block)
         inputs = ("x", "pos", "seg", "last", "count") if sw.packing else ("x", "mask")
         flex = self.flex
         # rung 12: the loader lists the mask's blocks (else FlexMask makes them each step)

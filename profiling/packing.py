@@ -26,6 +26,19 @@ from quantloop.models.orderbook import Block, OrderBookNet
 
 FLEX_BLOCK = 128  # FlexAttention's default sparse block: any kernel tiling divides it
 
+# Rung 13 (flex_blocks): 64-event sparse blocks and the tiles that suit them, measured by
+# bench/flex_sweep.py on the ladder's packed batches (bench/results/flex-sweep-h200.json):
+# a 128-event block spans ~2-3 windows of ~67 events, so the mask visited 99% of the
+# block pairs; at 64, 71%. Forward + backward per layer: 82.7 us at 128 with Inductor's
+# default tiles, 64.5 us at 64 with these (max-autotune's pick; at 64 the forward has one
+# valid candidate). Fixed here rather than autotuned in every run: that takes minutes.
+FLEX_BLOCKS = 64
+FLEX_TILES = {
+    "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
+    "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+    "bwd_num_stages": 4, "bwd_num_warps": 4,
+}  # fmt: skip
+
 
 class PackedNet(nn.Module):
     """forward(x [R, T, F], pos [R, T], seg [R, T], last [B], count [B]) -> [B, n_outputs].
@@ -35,11 +48,16 @@ class PackedNet(nn.Module):
     (profiling.distributed: a compiled block's backward is one autograd node, and its
     gradients are ready, to be all-reduced, as soon as it has run)."""
 
-    def __init__(self, model: OrderBookNet, *, flex: bool = False) -> None:
+    def __init__(
+        self, model: OrderBookNet, *, flex: bool = False, tiles: dict | None = None
+    ) -> None:
+        """tiles: FlexAttention's kernel_options (rung 13's FLEX_TILES; None: Inductor's)."""
         super().__init__()
         self.model = model
         self.flex = flex
-        self.layers = nn.ModuleList(FlexBlock(b) for b in model.blocks) if flex else model.blocks
+        self.layers = (
+            nn.ModuleList(FlexBlock(b, tiles) for b in model.blocks) if flex else model.blocks
+        )
 
     def forward(
         self,
@@ -76,22 +94,25 @@ class FlexBlock(nn.Module):
     """models.orderbook.Block.forward with its attention in FlexAttention (no dropout); the
     block keeps its parameters."""
 
-    def __init__(self, block: Block) -> None:
+    def __init__(self, block: Block, tiles: dict | None = None) -> None:
         super().__init__()
         if block.drop.p:
             raise ValueError("FlexBlock runs without dropout; the model has dropout > 0")
         self.block = block
+        self.tiles = tiles
 
     def forward(self, h: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-        return flex_block(self.block, h, block_mask)
+        return flex_block(self.block, h, block_mask, self.tiles)
 
 
-def flex_block(block: Block, h: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+def flex_block(
+    block: Block, h: torch.Tensor, block_mask: BlockMask, tiles: dict | None = None
+) -> torch.Tensor:
     a = block.attn
     R, T, D = h.shape
     q, k, v = a.qkv(block.norm1(h)).view(R, T, 3, a.n_heads, D // a.n_heads).unbind(2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [R, H, T, Dh]
-    y = flex_attention(q, k, v, block_mask=block_mask)
+    y = flex_attention(q, k, v, block_mask=block_mask, kernel_options=tiles)
     h = h + a.proj(y.transpose(1, 2).reshape(R, T, D))
     return h + block.mlp(block.norm2(h))
 
@@ -164,6 +185,8 @@ class FlexMask:
         return bm
 
 
-def apply_packing(model: OrderBookNet, *, flex: bool = False) -> PackedNet:
+def apply_packing(
+    model: OrderBookNet, *, flex: bool = False, tiles: dict | None = None
+) -> PackedNet:
     """The forward module of the packed layout; `model` keeps owning the parameters."""
-    return PackedNet(model, flex=flex)
+    return PackedNet(model, flex=flex, tiles=tiles)

@@ -125,6 +125,7 @@ RUNGS: tuple[Rung, ...] = (
     # 54 of them are Inductor's casts (weights to bf16, their gradients back to float32),
     # 70 us, 1.3 us each; FlexMask.update builds the block mask in 17 eager kernels, 45 us.
     # Autotune, measured as rung 11 before them (1.03x, 153 s of compile), is now last.
+    # Rung 13 was predicted from bench/flex_sweep.py's measurement of attention alone.
     Rung(
         number=11,
         name="combo_kernels",
@@ -147,11 +148,22 @@ RUNGS: tuple[Rung, ...] = (
     ),
     Rung(
         number=13,
+        name="flex_blocks",
+        switch="flex_blocks",
+        cuda_only="",
+        requires=("flex_attention",),
+        predicted="1.05x: 64-event sparse blocks instead of 128 (bench/flex_sweep.py on "
+        "this workload: block pairs visited 99% -> 71%) with the tiles max-autotune picked "
+        "for them, fixed: attention forward + backward 82.7 -> 64.5 us per layer, ~73 us "
+        "of a 1.59 ms step",
+    ),
+    Rung(
+        number=14,
         name="autotune",
         switch="autotune",
         cuda_only="Inductor's max-autotune GEMM templates are Triton kernels: CUDA only",
         requires=("compile",),
-        not_auto="its compile takes minutes (153 s on an H200, rung 11 then) for a few "
+        not_auto="its compile takes minutes (153 s on an H200, as rung 11) for a few "
         "percent of a research run's training, which lasts seconds",
         predicted="1.1x: Inductor's max-autotune picks Triton GEMM templates for these small "
         "K=128 shapes and fuses bias/GELU/residual epilogues into them (fewer, larger "
@@ -175,6 +187,7 @@ class Switches:
     flat_grads: bool = False
     combo_kernels: bool = False
     loader_mask: bool = False
+    flex_blocks: bool = False
     autotune: bool = False
 
     @classmethod

@@ -15,7 +15,8 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 # tests/test_train_rungs.py checks that the two lists agree.
 OPTIMIZATIONS = (
     "compile", "bf16", "device_metrics", "fused_kernel", "streams", "cudagraph", "packing",
-    "flex_attention", "flat_grads", "combo_kernels", "loader_mask", "autotune",
+    "flex_attention", "flat_grads", "combo_kernels", "loader_mask",
+    "flex_blocks", "autotune",
 )  # fmt: skip
 
 

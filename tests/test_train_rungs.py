@@ -22,7 +22,7 @@ from quantloop.profiling.equivalence import max_rel_dev, rel_l2
 from quantloop.profiling.inference import Predictor, inference_rungs
 from quantloop.profiling.kernels import FusedAdamW
 from quantloop.profiling.loop import model_config
-from quantloop.profiling.packing import FlexMask, PackedNet, window_blocks
+from quantloop.profiling.packing import FLEX_TILES, FlexMask, PackedNet, window_blocks
 from quantloop.profiling.proof import plan_rungs, proof_from_result
 from quantloop.profiling.rungs import RUNGS
 from quantloop.profiling.trainer import train_applied
@@ -282,8 +282,14 @@ def test_flex_forward_is_the_dense_forward(work):
         with torch.no_grad():
             dense, flex = net(*args), net(*args, block_mask=mask.update(args[2]))
             loaded = net(*args, block_mask=mask.update(args[2], *lists))
+            # rung 13's tiles reach flex_attention (a CPU runs it unfused and ignores them;
+            # the H200 ladder checks their training)
+            tiled = PackedNet(net.model, flex=True, tiles=FLEX_TILES)(
+                *args, block_mask=mask.block_mask
+            )
         assert torch.allclose(flex, dense, rtol=1e-5, atol=1e-6)
         assert torch.equal(loaded, flex)  # the same mask, listed by the loader
+        assert torch.allclose(tiled, flex, rtol=1e-5, atol=1e-6)
 
 
 def test_handing_gradients_over_is_accumulating_them():
