@@ -255,10 +255,10 @@ def test_the_report_renders_the_h200_run_as_it_was_published():
     published = (H200_RESULT.parent / "ladder-h200.md").read_text()
     rung_table, controls_table = markdown_tables(report)
     assert [rung_table, controls_table] == markdown_tables(published)
-    assert rung_table.count("\n") == 2 + 12 - 1 and "| 12. loader_mask | 161,479 |" in rung_table
+    assert rung_table.count("\n") == 2 + 13 - 1 and "| 13. flex_blocks | 169,864 |" in rung_table
     assert report.startswith("# GPU optimization ladder on NVIDIA H200\n\ntorch 2.11.0+cu130, ")
-    assert "commit `ba42b6c`" in report
-    assert "Measured ceilings: bf16 matmul 761 TFLOP/s, device copy 4135 GB/s." in report
+    assert "commit `7cdf07b`" in report
+    assert "Measured ceilings: bf16 matmul 760 TFLOP/s, device copy 4171 GB/s." in report
 
 
 @pytest.mark.slow

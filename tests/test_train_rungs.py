@@ -85,6 +85,7 @@ def test_auto_applies_what_a_result_proved_and_this_machine_runs(monkeypatch):
         "flat_grads",
         "combo_kernels",
         "loader_mask",
+        "flex_blocks",
     }
     assert plan.dropped["loader_mask"] == "needs flex_attention, which cannot run here"
     assert plan.proof.commit == json.loads(H200_RESULT.read_text())["commit"]
@@ -93,7 +94,7 @@ def test_auto_applies_what_a_result_proved_and_this_machine_runs(monkeypatch):
 
 def test_the_proof_stops_at_the_first_rung_that_is_not_equivalent(tmp_path, monkeypatch):
     result = json.loads(H200_RESULT.read_text())
-    assert proof_from_result(result, "x").proven == OPTIMIZATIONS[:11]  # rungs 1-12
+    assert proof_from_result(result, "x").proven == OPTIMIZATIONS[:12]  # rungs 1-13
     rows = [dict(r) for r in result["rungs"]]
     rows[4]["equivalent"] = False  # rung 5, fused_kernel
     later = {**result, "rungs": rows, "date": "2099-01-01T00:00:00+00:00"}
