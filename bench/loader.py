@@ -11,7 +11,9 @@ the GPU waits. Rows (ms per batch, the median of --reps timings of --batches bat
   them;
 - research, strided ends: the same, plus what each batch cost before the windows' ends
   were copied out of the [N, T] window index (the lengths read through that strided
-  column for every batch): the peer this change replaced.
+  column for every batch): the peer this change replaced;
+- research, block lists: the same, plus FlexAttention's block lists made on the host
+  (rungs 12-13: loader_mask, 64-event blocks); predicted ~0.05 ms more a batch.
 Writes <out>/loader.json (machine, date, commit) when --out is given.
 """
 
@@ -37,20 +39,21 @@ import numpy as np  # noqa: E402
 
 from bench.train_alone import research_days  # noqa: E402
 from quantloop.profiling.config import preset  # noqa: E402
+from quantloop.profiling.packing import FLEX_BLOCKS  # noqa: E402
 from quantloop.profiling.trainer import training_set  # noqa: E402
 from quantloop.profiling.workload import build_workload, packed_batch, packed_spec  # noqa: E402
 from quantloop.tasks.training import prepare  # noqa: E402
 
 
-def per_batch_ms(work, batches: int, reps: int, extra=None) -> float:
-    spec = packed_spec(work, work.order.shape[1])
+def per_batch_ms(work, batches: int, reps: int, extra=None, mask_block: int = 0) -> float:
+    spec = packed_spec(work, work.order.shape[1], mask_block)
     views = {k: np.empty(shape, dtype=dtype) for k, (shape, dtype) in spec.items()}
-    packed_batch(work, 0, out=views)
+    packed_batch(work, 0, out=views, mask_block=mask_block)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         for step in range(batches):
-            packed_batch(work, step % len(work.order), out=views)
+            packed_batch(work, step % len(work.order), out=views, mask_block=mask_block)
             if extra is not None:
                 extra()
         times.append((time.perf_counter() - t) / batches * 1e3)
@@ -81,6 +84,9 @@ def main() -> None:
         "research, strided ends": per_batch_ms(
             research, args.batches, args.reps, extra=lambda: ends - starts + 1
         ),
+        "research, block lists": per_batch_ms(
+            research, args.batches, args.reps, mask_block=FLEX_BLOCKS
+        ),
     }
     commit = (
         args.commit
@@ -98,6 +104,7 @@ def main() -> None:
         "ms_per_batch": rows,
         "research_vs_ladder": rows["research"] / rows["ladder"],
         "strided_vs_research": rows["research, strided ends"] / rows["research"],
+        "block_lists_vs_research": rows["research, block lists"] / rows["research"],
     }
     print(f"{'loader':<24} {'ms/batch':>9} {'vs ladder':>10}")
     for name, ms in rows.items():
