@@ -352,23 +352,30 @@ def packed_batch(
 
 def window_block_lists(seg: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """Which key blocks each query block of a packed row needs: kv_num [R, 1, n] and
-    kv_idx [R, 1, n, n] (int32) for n = T / block blocks; BlockMask's layout.
+    kv_idx [R, 1, n, n] (int32) for n = T / block blocks; BlockMask's layout, and the same
+    lists as packing.window_blocks computes on the device.
 
     Windows are contiguous runs of one seg value (padding, the tail, is one run too), so
-    the keys a query block needs run from the start of the window of its first position to
-    the end of the window of its last one: one contiguous range of key blocks, listed
-    first; the rest of a row of kv_idx repeats the last block (never read).
+    the keys a query block needs run from the start of the run holding its first position
+    to the end of the run holding its last one: one contiguous range of key blocks, listed
+    first; the rest of a row of kv_idx repeats the last block (never read). The runs are
+    found once over the flat batch and each block's two ends looked up in them (45 us a
+    batch of 76 x 256 on a 2-core VM, against 209 us for per-position running max/min).
     """
     R, T = seg.shape
     n = T // block
-    pos = np.broadcast_to(np.arange(T), (R, T))
-    change = seg[:, 1:] != seg[:, :-1]  # [R, T-1]
-    edge = np.ones((R, 1), dtype=bool)
-    w_start = np.maximum.accumulate(np.where(np.hstack([edge, change]), pos, 0), axis=1)
-    w_end = np.where(np.hstack([change, edge]), pos, T - 1)[:, ::-1]
-    w_end = np.minimum.accumulate(w_end, axis=1)[:, ::-1]
-    lo = w_start[:, ::block] // block  # [R, n]
-    hi = w_end[:, block - 1 :: block] // block
+    flat = seg.reshape(-1)
+    new = np.empty(R * T, dtype=bool)  # a run starts here
+    new[0] = True
+    np.not_equal(flat[1:], flat[:-1], out=new[1:])
+    new[::T] = True  # runs never cross rows
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:] - 1, R * T - 1)
+    base = (np.arange(R) * T)[:, None]
+    first = base + np.arange(0, T, block)  # [R, n] each query block's first position
+    lo = (starts[np.searchsorted(starts, first, side="right") - 1] - base) // block
+    last = first + block - 1
+    hi = (ends[np.searchsorted(starts, last, side="right") - 1] - base) // block
     num = (hi - lo + 1).astype(np.int32)[:, None]
     idx = np.minimum(lo[..., None] + np.arange(n), n - 1).astype(np.int32)[:, None]
     return num, idx
