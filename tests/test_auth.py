@@ -61,6 +61,23 @@ def test_a_wrong_password_is_refused_after_the_right_one_was_accepted(mlflow_uri
     assert with_password(MLFLOW_PASSWORD) == 200
 
 
+def test_mlflow_reads_the_credential_cache_we_configure(tmp_path, monkeypatch):
+    """The cache is invisible to a client (a password change drops its entry at once), and
+    MLflow reads an unknown or renamed key as 0, off: so read `quantloop serve`'s file the
+    way the server does. (Its effect is measured in bench/mlflow_auth.py.)"""
+    from mlflow.server.auth.config import read_auth_config
+
+    from quantloop.serve import MLFLOW_AUTH_INI
+
+    ini = tmp_path / "auth.ini"
+    ini.write_text(MLFLOW_AUTH_INI.format(db=tmp_path / "auth.db", user=MLFLOW_USER))
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(ini))
+    config = read_auth_config()
+    assert config.auth_cache_ttl_seconds == 300 and config.auth_cache_max_size > 0
+    assert config.admin_username == MLFLOW_USER and config.default_permission == "READ"
+    assert not config.grant_default_workspace_access
+
+
 def test_a_tracking_block_carries_its_own_credentials(mlflow_uri, no_credential_env):
     locked = MlflowTracking(tracking_uri=mlflow_uri, experiment="auth-test")
     with pytest.raises(Exception, match="401|Unauthorized|credentials"):
