@@ -25,13 +25,13 @@ import pyarrow as pa
 import torch
 
 from quantloop.profiling.compile import apply_compile
-from quantloop.profiling.packing import FlexMask, PackedNet
+from quantloop.profiling.packing import FlexMask, PackedNet, flex_layout
 from quantloop.profiling.precision import autocast
 from quantloop.profiling.workload import pack_fields
 from quantloop.tasks.training import TrainResult, column_matrix, predict, window_starts
 
 # The rungs that change a forward pass (the others are about the backward and optimizer).
-FORWARD_RUNGS = ("compile", "bf16", "cudagraph", "packing", "flex_attention")
+FORWARD_RUNGS = ("compile", "bf16", "cudagraph", "packing", "flex_attention", "flex_blocks")
 BATCH = 4096  # windows per group (per graph replay)
 
 
@@ -141,10 +141,11 @@ class _GraphedForward:
     ) -> None:
         device = next(result.model.parameters()).device
         self.device, self.rows, self.B = device, rows, B
-        net = PackedNet(result.model.eval(), flex="flex_attention" in rungs)
+        block, tiles = flex_layout(T, tuned="flex_blocks" in rungs)
+        net = PackedNet(result.model.eval(), flex="flex_attention" in rungs, tiles=tiles)
         if "compile" in rungs:
             net = apply_compile(net, backend="inductor")
-        flex = FlexMask(rows, T, device) if "flex_attention" in rungs else None
+        flex = FlexMask(rows, T, device, block=block) if "flex_attention" in rungs else None
         bf16 = "bf16" in rungs
         self.cuda = device.type == "cuda"
         self.host = {

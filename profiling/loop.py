@@ -26,13 +26,7 @@ from quantloop.profiling.compile import apply_compile, compile_each
 from quantloop.profiling.config import LadderConfig
 from quantloop.profiling.cudagraph import apply_cudagraph
 from quantloop.profiling.metrics import DeviceLogger, HostLogger
-from quantloop.profiling.packing import (
-    FLEX_BLOCK,
-    FLEX_BLOCKS,
-    FLEX_TILES,
-    FlexMask,
-    apply_packing,
-)
+from quantloop.profiling.packing import FlexMask, apply_packing, flex_layout
 from quantloop.profiling.precision import apply_precision, autocast
 from quantloop.profiling.rungs import Rung, Switches
 from quantloop.profiling.streams import Layout, Prefetcher, SyncLoader
@@ -171,7 +165,7 @@ class Training:
         else:
             logger = HostLogger(model)
         self.opt, self.logger = opt, logger
-        tiles = FLEX_TILES if sw.flex_blocks else None
+        block, tiles = flex_layout(work.max_len, tuned=sw.flex_blocks)
         net = apply_packing(model, flex=sw.flex_attention, tiles=tiles) if sw.packing else model
         how = {"backend": s.compile_backend, "autotune": sw.autotune, "combo": sw.combo_kernels}
         if sw.compile and s.compile_per_block:
@@ -181,7 +175,6 @@ class Training:
         self.net = net
         self.flex = None
         if sw.flex_attention:
-            block = FLEX_BLOCKS if sw.flex_blocks else FLEX_BLOCK
             self.flex = FlexMask(work.pack_rows, work.max_len, device, block=block)
         inputs = ("x", "pos", "seg", "last", "count") if sw.packing else ("x", "mask")
         flex = self.flex

@@ -38,6 +38,25 @@ FLEX_TILES = {
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
     "bwd_num_stages": 4, "bwd_num_warps": 4,
 }  # fmt: skip
+PAD_SEG = -1  # seg of the positions past T that fill a row's last, partial block
+
+
+def flex_layout(T: int, tuned: bool) -> tuple[int, dict | None]:
+    """FlexAttention's sparse block for rows of T events, and its kernels' tiles (None:
+    Inductor's defaults, which divide 128 for every head dimension). The tiles must divide
+    the block: rows of up to 64 events get one block a row, the next power of two (16 at
+    least), and tiles that size; longer rows 128-event blocks (rungs 9-12) or, tuned (rung
+    13), 64-event blocks with FLEX_TILES. T need not be a multiple of the block: the
+    last block of a row is then partial (FlexMask pads it)."""
+    if tuned and T >= FLEX_BLOCKS:
+        return FLEX_BLOCKS, FLEX_TILES
+    if T > 64:
+        return FLEX_BLOCK, None
+    block = max(16, 1 << (T - 1).bit_length())  # 16, 32 or 64: one block a row
+    # explicit tiles: the defaults are 128 wide for some head dimensions (64 on an H100)
+    return block, {f"{side}_BLOCK_{d}": block for side, d in (
+        ("fwd", "M"), ("fwd", "N"), ("bwd", "M1"), ("bwd", "N1"), ("bwd", "M2"), ("bwd", "N2"),
+    )}  # fmt: skip
 
 
 class PackedNet(nn.Module):
@@ -119,14 +138,16 @@ def flex_block(
 
 def window_blocks(seg: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which key blocks each query block of a packed row needs: kv_num [R, 1, n] and
-    kv_indices [R, 1, n, n] (int32) for n = T / block blocks.
+    kv_indices [R, 1, n, n] (int32) for n = ceil(T / block) blocks.
 
     Windows are contiguous runs of one seg value (padding, the tail, is one run too), so
     the keys a query block needs run from the start of the window of its first position to
-    the end of the window of its last one: one contiguous range of key blocks.
+    the end of the window of its last one: one contiguous range of key blocks. A partial
+    last block is filled with PAD_SEG, a run of its own.
     """
+    n = -(-seg.shape[1] // block)
+    seg = torch.nn.functional.pad(seg, (0, n * block - seg.shape[1]), value=PAD_SEG)
     R, T = seg.shape
-    n = T // block
     pos = torch.arange(T, device=seg.device).expand(R, T)
     change = seg[:, 1:] != seg[:, :-1]  # [R, T-1]
     edge = torch.ones(R, 1, dtype=torch.bool, device=seg.device)
@@ -149,11 +170,12 @@ class FlexMask:
     """
 
     def __init__(self, rows: int, T: int, device: torch.device, block: int = FLEX_BLOCK) -> None:
-        self.block = min(block, T)
-        if T % self.block:
-            raise ValueError(f"max_len {T} must be a multiple of the flex block {self.block}")
-        self.seg = torch.zeros(rows, T, dtype=torch.long, device=device)
-        num, idx = window_blocks(self.seg, self.block)
+        """block: the sparse block (flex_layout's); a T that it does not divide leaves each
+        row a partial last block, whose positions past T the mask reads as PAD_SEG."""
+        self.block, self.T = block, T
+        n = -(-T // block)
+        self.seg = torch.full((rows, n * block), PAD_SEG, dtype=torch.long, device=device)
+        num, idx = window_blocks(self.seg[:, :T], self.block)
         seg = self.seg  # the mask reads this buffer, refilled by update()
 
         def same_window(b, h, q_idx, kv_idx):
@@ -172,7 +194,7 @@ class FlexMask:
         """The mask of this batch's packing. kv_num/kv_idx: its block lists made by the
         loader (rung 12, workload.window_block_lists); without them they are computed here,
         on the device (window_blocks: ~17 small kernels a step on an H200)."""
-        self.seg.copy_(seg)
+        self.seg[:, : self.T].copy_(seg)
         if kv_num is None or kv_idx is None:
             num, idx = window_blocks(seg, self.block)
         else:

@@ -22,7 +22,13 @@ from quantloop.profiling.equivalence import max_rel_dev, rel_l2
 from quantloop.profiling.inference import Predictor, inference_rungs
 from quantloop.profiling.kernels import FusedAdamW
 from quantloop.profiling.loop import model_config
-from quantloop.profiling.packing import FLEX_TILES, FlexMask, PackedNet, window_blocks
+from quantloop.profiling.packing import (
+    FLEX_TILES,
+    FlexMask,
+    PackedNet,
+    flex_layout,
+    window_blocks,
+)
 from quantloop.profiling.proof import plan_rungs, proof_from_result
 from quantloop.profiling.rungs import RUNGS
 from quantloop.profiling.trainer import train_applied
@@ -257,17 +263,35 @@ def test_flex_block_mask_lists_exactly_the_blocks_a_window_spans(work):
 
 
 def test_the_loaders_block_lists_are_the_devices(work):
-    """Rung 12 lists the blocks on the host (NumPy); rungs 9-11 on the device (torch)."""
+    """Rung 12 lists the blocks on the host (NumPy); rungs 9-11 on the device (torch). Rows
+    of 32 events here: blocks of 12 and 24 leave a partial last block, 64 one block a row."""
     for step in range(6):
         b = packed_batch(work, step, mask_block=8)
         seg = torch.from_numpy(b["seg"])
-        for block in (4, 8, 16):
+        for block in (4, 8, 12, 16, 24, 64):
             num, idx = window_block_lists(b["seg"], block)
             ref_num, ref_idx = window_blocks(seg, block)
             assert num.dtype == idx.dtype == np.int32
             assert np.array_equal(num, ref_num.numpy()) and np.array_equal(idx, ref_idx.numpy())
         assert np.array_equal(b["kv_num"], window_block_lists(b["seg"], 8)[0])
     assert "kv_num" not in packed_batch(work, 0)  # only when asked for
+
+
+def test_flex_layout_gives_every_row_length_a_block_its_tiles_divide():
+    for T in range(1, 600):
+        for tuned in (False, True):
+            block, tiles = flex_layout(T, tuned)
+            if tiles is None:  # Inductor's default tiles divide 128 for any head dimension
+                assert block == 128 and T > 64
+            else:
+                sizes = [v for k, v in tiles.items() if "BLOCK" in k]
+                assert sizes and all(block % s == 0 for s in sizes)
+            assert block >= 16 and (block < 2 * T or block == 16)  # not much past the row
+    assert flex_layout(256, tuned=True) == (64, FLEX_TILES)  # rung 13
+    assert flex_layout(256, tuned=False) == (128, None)  # rungs 9-12
+    assert flex_layout(100, tuned=True) == (64, FLEX_TILES)  # a partial second block
+    assert flex_layout(32, tuned=True)[0] == flex_layout(32, tuned=False)[0] == 32
+    assert flex_layout(20, tuned=False)[0] == 32 and flex_layout(5, tuned=False)[0] == 16
 
 
 def test_flex_forward_is_the_dense_forward(work):
@@ -288,8 +312,16 @@ def test_flex_forward_is_the_dense_forward(work):
             tiled = PackedNet(net.model, flex=True, tiles=FLEX_TILES)(
                 *args, block_mask=mask.block_mask
             )
+            # blocks that leave a partial last block (12) or are longer than the row (64)
+            odd = {
+                block: net(*args, block_mask=FlexMask(
+                    work.pack_rows, work.max_len, CPU, block=block).update(args[2]))
+                for block in (12, 64)
+            }  # fmt: skip
         assert torch.allclose(flex, dense, rtol=1e-5, atol=1e-6)
         assert torch.equal(loaded, flex)  # the same mask, listed by the loader
+        for out in odd.values():
+            assert torch.allclose(out, dense, rtol=1e-5, atol=1e-6)
         assert torch.allclose(tiled, flex, rtol=1e-5, atol=1e-6)
 
 
