@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
-from quantloop.profiling.packing import flex_layout  # noqa: E402
+from quantloop.profiling.packing import MIN_HEAD_DIM, flex_layout  # noqa: E402
 from quantloop.profiling.trainer import train_applied  # noqa: E402
 from quantloop.tasks.train_config import OPTIMIZATIONS, TrainConfig  # noqa: E402
 from quantloop.tasks.training import predict  # noqa: E402
@@ -71,7 +71,8 @@ def main() -> None:
         base = dict(window=window, window_s=window_s, stride=2, d_model=d_model, n_heads=heads,
                     batch_size=64, steps=args.steps, lr=1e-3, log_every=10, seed=0)  # fmt: skip
         row = {"window": window, "window_s": window_s, "d_model": d_model, "heads": heads,
-               "flex_block": flex_layout(window, tuned=True)[0]}  # fmt: skip
+               "flex_block": flex_layout(window, d_model // heads, tuned=True)[0]
+               if d_model // heads >= MIN_HEAD_DIM else None}  # fmt: skip
         try:
             fast = train_applied(tables, ["a", "b"], ["label_4"],
                                  TrainConfig(**base, optimizations=rungs))  # fmt: skip
@@ -97,10 +98,10 @@ def main() -> None:
     print("|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['window']} | {r['d_model']} | {r['heads']} | {r['flex_block']} | "
+            print(f"| {r['window']} | {r['d_model']} | {r['heads']} | {r['flex_block'] or '-'} | "
                   f"failed: {r['error']} | | | |")  # fmt: skip
             continue
-        print(f"| {r['window']} | {r['d_model']} | {r['heads']} | {r['flex_block']} | "
+        print(f"| {r['window']} | {r['d_model']} | {r['heads']} | {r['flex_block'] or '-'} | "
               f"{'yes' if r['trained'] else 'NaN'} | {r['samples_per_s'] or 0:,.0f} | "
               f"{r['plain_samples_per_s'] or 0:,.0f} | {r['pred_rel_l2']:.1e} |")  # fmt: skip
     result = {

@@ -66,7 +66,7 @@ def main() -> None:
     params = json.loads(Path(args.params).read_text())
     tables, fs, cfg = research_days(params)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    plan = plan_rungs(RUNGS, device)
+    plan = plan_rungs(RUNGS, device, head_dim=cfg.head_dim)
     data = prepare(tables, fs.inputs, fs.labels, cfg)
     work = training_set(data, packing=True)
     out = {"pack_rows": work.pack_rows, "mean_window": float(work.train.lengths.mean()),

@@ -154,7 +154,11 @@ class ResearchParams(BaseModel):
         from quantloop.profiling.proof import plan_rungs
         from quantloop.tasks.training import resolve_device
 
-        plan_rungs(self.train.optimizations, resolve_device(self.train.device))
+        plan_rungs(
+            self.train.optimizations,
+            resolve_device(self.train.device),
+            head_dim=self.train.head_dim,
+        )
         horizon = max(self.features.label_horizons)
         short = sorted(p for p, n in rows.items() if n <= horizon)
         if short:

@@ -122,7 +122,7 @@ def _models(client, research, stages) -> list[Check]:
         rungs = [r for r in train_tags.get("rungs", "none").split(",") if r and r != "none"]
         device = resolve_device(config.device)
         trained_on = stages["train"].data.params.get("train.device", "auto")
-        plan = plan_rungs(tuple(rungs) if rungs else "none", device)
+        plan = plan_rungs(tuple(rungs) if rungs else "none", device, head_dim=config.head_dim)
 
         def weights() -> str:
             tables = {p: o.read() for p, o in outputs.items()}

@@ -99,7 +99,7 @@ def ladder_results(stage: StageParams) -> list[str]:
 
 def plan_for(stage: StageParams, config: TrainConfig, device: str | None = None) -> Plan:
     where = torch.device(device) if device else resolve_device(config.device)
-    return plan_rungs(config.optimizations, where, ladder_results(stage))
+    return plan_rungs(config.optimizations, where, ladder_results(stage), head_dim=config.head_dim)
 
 
 def device_type(name: str) -> str:

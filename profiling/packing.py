@@ -39,24 +39,25 @@ FLEX_TILES = {
     "bwd_num_stages": 4, "bwd_num_warps": 4,
 }  # fmt: skip
 PAD_SEG = -1  # seg of the positions past T that fill a row's last, partial block
+MIN_HEAD_DIM = 16  # FlexAttention's Triton kernels: "NYI" below it (found with head dim 8)
 
 
-def flex_layout(T: int, tuned: bool) -> tuple[int, dict | None]:
-    """FlexAttention's sparse block for rows of T events, and its kernels' tiles (None:
-    Inductor's defaults, which divide 128 for every head dimension). The tiles must divide
-    the block: rows of up to 64 events get one block a row, the next power of two (16 at
-    least), and tiles that size; longer rows 128-event blocks (rungs 9-12) or, tuned (rung
-    13), 64-event blocks with FLEX_TILES. T need not be a multiple of the block: the
-    last block of a row is then partial (FlexMask pads it)."""
-    if tuned and T >= FLEX_BLOCKS:
+def flex_layout(T: int, head_dim: int, tuned: bool) -> tuple[int, dict | None]:
+    """FlexAttention's sparse block for rows of T events and heads of `head_dim`, and its
+    kernels' tiles (None: Inductor's defaults).
+
+    From bench/flex_shapes.py on the H200 (bench/results/flex-shapes-h200.json): 128-event
+    blocks with the default tiles compile and match dense attention for every row length
+    tried (32, 100, 200, 256: a row shorter than a block, or not a multiple of it, has a
+    partial last block) and head dimensions 16-128. 64-event blocks do only for head
+    dimensions up to 32 and rows of 200 or 256 (Inductor's backward checks its own default
+    tiles, 128 wide from 64 up, against the block before it reads ours; rows of 100 found
+    no kernel, and rows of 32 came out wrong). So rung 13's layout applies where that was
+    shown, rows a multiple of 64 from 128 up, and everything else keeps rung 9's.
+    """
+    if tuned and 16 <= head_dim <= 32 and T >= 2 * FLEX_BLOCKS and T % FLEX_BLOCKS == 0:
         return FLEX_BLOCKS, FLEX_TILES
-    if T > 64:
-        return FLEX_BLOCK, None
-    block = max(16, 1 << (T - 1).bit_length())  # 16, 32 or 64: one block a row
-    # explicit tiles: the defaults are 128 wide for some head dimensions (64 on an H100)
-    return block, {f"{side}_BLOCK_{d}": block for side, d in (
-        ("fwd", "M"), ("fwd", "N"), ("bwd", "M1"), ("bwd", "N1"), ("bwd", "M2"), ("bwd", "N2"),
-    )}  # fmt: skip
+    return FLEX_BLOCK, None
 
 
 class PackedNet(nn.Module):

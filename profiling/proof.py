@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from quantloop.profiling.packing import MIN_HEAD_DIM
 from quantloop.profiling.rungs import BY_SWITCH, missing_requirements, runnable, skip_reason
 from quantloop.tasks.train_config import OPTIMIZATIONS
 
@@ -138,6 +139,8 @@ def plan_rungs(
     requested: str | tuple[str, ...],
     device: torch.device,
     extra: Sequence[str | os.PathLike] = (),
+    *,
+    head_dim: int | None = None,
 ) -> Plan:
     """Resolve TrainConfig.optimizations for `device`.
 
@@ -146,7 +149,8 @@ def plan_rungs(
     `not_auto` says why a research run should not pay for them. A list: those names;
     ValueError if one lacks a switch it requires; those this machine cannot run are
     dropped with the reason, and names outside the proof's combination are reported as
-    unproven (applied: the list is the user's choice).
+    unproven (applied: the list is the user's choice). head_dim (the model's d_model /
+    n_heads): below MIN_HEAD_DIM, FlexAttention and the rungs that need it are dropped too.
     """
     proof = latest_proof(device_class(device), extra)
     if requested == "none":
@@ -167,6 +171,13 @@ def plan_rungs(
         for n in wanted
         if n not in here
     }
+    if head_dim is not None and head_dim < MIN_HEAD_DIM and "flex_attention" in wanted:
+        # the model's shape, not the machine: the rungs that need it go with it below
+        dropped.setdefault(
+            "flex_attention",
+            f"head dimension {head_dim} (d_model / n_heads) is below FlexAttention's "
+            f"{MIN_HEAD_DIM}",
+        )
     if requested == "auto":  # proven, but not worth it for a research run: only by name
         dropped |= {n: BY_SWITCH[n].not_auto for n in wanted if BY_SWITCH[n].not_auto
                     and n not in dropped}  # fmt: skip

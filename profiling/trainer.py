@@ -165,8 +165,9 @@ def train_applied(
     compile_backend overrides the plan's (tests on a CPU use aot_eager: Inductor's C++
     build takes minutes there)."""
     device = resolve_device(cfg.device)
-    plan = plan or plan_rungs(cfg.optimizations, device)
     data = prepare(tables, inputs, labels, cfg, model_cfg)
+    head_dim = data.model_config.d_model // data.model_config.n_heads
+    plan = plan or plan_rungs(cfg.optimizations, device, head_dim=head_dim)
     if not plan.rungs:
         return train_plain(data, cfg)  # bit for bit the plain loop
     return train_prepared(data, cfg, plan, compile_backend=compile_backend)

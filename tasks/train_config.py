@@ -80,6 +80,11 @@ class TrainConfig:
     def model_size(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "ff_mult")}
 
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (FlexAttention needs 16 or more)."""
+        return self.d_model // self.n_heads
+
 
 def canonical_optimizations(value: str | Sequence[str]) -> str | tuple[str, ...]:
     """ "auto", "none", or the named optimizations once each, in rung order ([] is "none")."""

@@ -277,21 +277,37 @@ def test_the_loaders_block_lists_are_the_devices(work):
     assert "kv_num" not in packed_batch(work, 0)  # only when asked for
 
 
-def test_flex_layout_gives_every_row_length_a_block_its_tiles_divide():
+def test_flex_layout_keeps_to_the_layouts_shown_to_work():
+    """bench/flex_shapes.py on the H200: 128-event blocks with Inductor's tiles worked for
+    every row length and head dimension tried; 64-event blocks only for head dimensions up
+    to 32 on rows of 200 or 256 (rows of 32 came out wrong, rows of 100 did not compile)."""
     for T in range(1, 600):
-        for tuned in (False, True):
-            block, tiles = flex_layout(T, tuned)
-            if tiles is None:  # Inductor's default tiles divide 128 for any head dimension
-                assert block == 128 and T > 64
+        for head_dim in (16, 32, 64, 128):
+            assert flex_layout(T, head_dim, tuned=False) == (128, None)
+            block, tiles = flex_layout(T, head_dim, tuned=True)
+            if tiles is None:
+                assert block == 128
             else:
-                sizes = [v for k, v in tiles.items() if "BLOCK" in k]
-                assert sizes and all(block % s == 0 for s in sizes)
-            assert block >= 16 and (block < 2 * T or block == 16)  # not much past the row
-    assert flex_layout(256, tuned=True) == (64, FLEX_TILES)  # rung 13
-    assert flex_layout(256, tuned=False) == (128, None)  # rungs 9-12
-    assert flex_layout(100, tuned=True) == (64, FLEX_TILES)  # a partial second block
-    assert flex_layout(32, tuned=True)[0] == flex_layout(32, tuned=False)[0] == 32
-    assert flex_layout(20, tuned=False)[0] == 32 and flex_layout(5, tuned=False)[0] == 16
+                assert (block, tiles) == (64, FLEX_TILES)
+                assert head_dim <= 32 and T >= 128 and T % 64 == 0
+    assert flex_layout(256, 32, tuned=True) == (64, FLEX_TILES)  # the ladder's shape
+    for T, head_dim in ((256, 64), (200, 32), (100, 16), (32, 16)):
+        assert flex_layout(T, head_dim, tuned=True) == (128, None)
+
+
+def test_a_head_narrower_than_flex_attention_takes_drops_it_and_its_users(monkeypatch):
+    """TrainConfig's default model (32 wide, 4 heads: head dimension 8) on a machine that
+    runs every rung (runnable patched): FlexAttention's kernels need 16."""
+    monkeypatch.setattr(proof, "runnable", lambda device: set(OPTIMIZATIONS))
+    wanted = ("packing", "flex_attention", "loader_mask", "flex_blocks")
+    plan = plan_rungs(wanted, CPU, head_dim=TrainConfig().head_dim)
+    assert plan.rungs == ("packing",)
+    assert plan.dropped == {
+        "flex_attention": "head dimension 8 (d_model / n_heads) is below FlexAttention's 16",
+        "loader_mask": "needs flex_attention, which is dropped",
+        "flex_blocks": "needs flex_attention, which is dropped",
+    }
+    assert plan_rungs(wanted, CPU, head_dim=16).rungs == wanted
 
 
 def test_flex_forward_is_the_dense_forward(work):
