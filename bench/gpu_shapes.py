@@ -10,7 +10,8 @@ windows of 32 events and a model 32 wide (head dimension 8); the last two shapes
 head dimensions 64 and 128. FlexAttention's sparse block
 and its kernels' tiles depend on the row length (packing.flex_layout), so every shape here
 trains with all the switches a research run can apply (autotune aside), for --steps steps,
-and the same model is trained by the plain loop (eager float32) from the same seed. Per
+and the same model is trained by the plain loop (eager float32) from the same seed; the
+fast model's held-out predictions are also made by simulate's bulk path (Predictor). Per
 shape: did it train, its samples/s after the warm-up, the sparse block, and how far its
 predictions on a held-out table are from the plain loop's (relative L2; the ladder's bf16
 tolerance is 0.05 after 300 steps). A failing shape is reported with its error.
@@ -35,6 +36,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
+from quantloop.profiling.inference import Predictor  # noqa: E402
 from quantloop.profiling.packing import MIN_HEAD_DIM, flex_layout  # noqa: E402
 from quantloop.profiling.trainer import train_applied  # noqa: E402
 from quantloop.tasks.train_config import OPTIMIZATIONS, TrainConfig  # noqa: E402
@@ -79,6 +81,8 @@ def main() -> None:
             plain = train_applied(tables, ["a", "b"], ["label_4"],
                                   TrainConfig(**base, optimizations="none"))  # fmt: skip
             p_fast, p_plain = predict(fast, held_out), predict(plain, held_out)
+            bulk = Predictor(fast)  # simulate's fast path, where it applies
+            p_bulk = bulk(held_out)
             ok = np.isfinite(p_fast).all()
             row |= {
                 "trained": bool(ok),
@@ -88,22 +92,28 @@ def main() -> None:
                 "final_loss": fast.loss_curve[-1],
                 "plain_final_loss": plain.loss_curve[-1],
                 "pred_rel_l2": float(np.linalg.norm(p_fast - p_plain) / np.linalg.norm(p_plain)),
+                "inference_mode": bulk.stats.mode,
+                "inference_rel_l2": float(np.linalg.norm(p_bulk - p_fast) / np.linalg.norm(p_fast)),
             }
         except Exception as exc:  # noqa: BLE001 - a shape that fails is the finding
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             row |= {"trained": False, "error": f"{type(exc).__name__}: {first}"}
         rows.append(row)
         print(row, flush=True)
-    print("\n| window | d_model | heads | flex block | trained | samples/s | plain | pred rel L2 |")
-    print("|---:|---:|---:|---:|---|---:|---:|---:|")
+    print(
+        "\n| window | d_model | heads | flex block | trained | samples/s | plain | pred rel L2 "
+        "| bulk inference vs eager |"
+    )
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
             print(f"| {r['window']} | {r['d_model']} | {r['heads']} | {r['flex_block'] or '-'} | "
-                  f"failed: {r['error']} | | | |")  # fmt: skip
+                  f"failed: {r['error']} | | | | |")  # fmt: skip
             continue
         print(f"| {r['window']} | {r['d_model']} | {r['heads']} | {r['flex_block'] or '-'} | "
               f"{'yes' if r['trained'] else 'NaN'} | {r['samples_per_s'] or 0:,.0f} | "
-              f"{r['plain_samples_per_s'] or 0:,.0f} | {r['pred_rel_l2']:.1e} |")  # fmt: skip
+              f"{r['plain_samples_per_s'] or 0:,.0f} | {r['pred_rel_l2']:.1e} | "
+              f"{r['inference_rel_l2']:.1e} |")  # fmt: skip
     result = {
         "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
