@@ -15,7 +15,7 @@ import torch
 
 from quantloop.flows.train import model_key
 from quantloop.models.orderbook import OrderBookNet
-from quantloop.profiling import proof
+from quantloop.profiling import packing, proof
 from quantloop.profiling.compile import inductor_options
 from quantloop.profiling.config import BF16, FP32, cpu_tiny
 from quantloop.profiling.equivalence import max_rel_dev, rel_l2
@@ -310,35 +310,35 @@ def test_a_head_narrower_than_flex_attention_takes_drops_it_and_its_users(monkey
     assert plan_rungs(wanted, CPU, head_dim=16).rungs == wanted
 
 
-def test_flex_forward_is_the_dense_forward(work):
+def test_flex_forward_is_the_dense_forward(work, monkeypatch):
     """FlexAttention has no backward on a CPU; its forward here is checked against the
-    dense block-diagonal mask (the H200 ladder checks training, rung 9)."""
+    dense block-diagonal mask (the H200 ladder checks training, rung 9), with the device's
+    block lists and the loader's, and with blocks that leave a partial last block (12) or
+    are longer than the row (64, as 128 is for rows under 128)."""
     torch.manual_seed(0)
-    net = PackedNet(OrderBookNet(model_config(cpu_tiny(), work)))
-    mask = FlexMask(work.pack_rows, work.max_len, CPU, block=8)
+    model = OrderBookNet(model_config(cpu_tiny(), work))
+    dense_net, flex_net = PackedNet(model), PackedNet(model, flex=True)
+    seen = []  # the kernel options each flex_attention call got
+    real = packing.flex_attention
+    monkeypatch.setattr(packing, "flex_attention", lambda *a, **kw: (
+        seen.append(kw.get("kernel_options")), real(*a, **kw))[1])  # fmt: skip
     for step in (0, 5):
         b = packed_batch(work, step)
         args = [torch.from_numpy(b[k]) for k in ("x", "pos", "seg", "last", "count")]
-        lists = [torch.from_numpy(a) for a in window_block_lists(b["seg"], mask.block)]
         with torch.no_grad():
-            dense, flex = net(*args), net(*args, block_mask=mask.update(args[2]))
-            loaded = net(*args, block_mask=mask.update(args[2], *lists))
-            # rung 13's tiles reach flex_attention (a CPU runs it unfused and ignores them;
-            # the H200 ladder checks their training)
-            tiled = PackedNet(net.model, flex=True, tiles=FLEX_TILES)(
-                *args, block_mask=mask.block_mask
-            )
-            # blocks that leave a partial last block (12) or are longer than the row (64)
-            odd = {
-                block: net(*args, block_mask=FlexMask(
-                    work.pack_rows, work.max_len, CPU, block=block).update(args[2]))
-                for block in (12, 64)
-            }  # fmt: skip
-        assert torch.allclose(flex, dense, rtol=1e-5, atol=1e-6)
-        assert torch.equal(loaded, flex)  # the same mask, listed by the loader
-        for out in odd.values():
-            assert torch.allclose(out, dense, rtol=1e-5, atol=1e-6)
-        assert torch.allclose(tiled, flex, rtol=1e-5, atol=1e-6)
+            dense = dense_net(*args)
+            for block in (8, 12, 64):
+                mask = FlexMask(work.pack_rows, work.max_len, CPU, block=block)
+                lists = [torch.from_numpy(a) for a in window_block_lists(b["seg"], block)]
+                flex = flex_net(*args, block_mask=mask.update(args[2]))
+                assert torch.allclose(flex, dense, rtol=1e-5, atol=1e-6), block
+                loaded = flex_net(*args, block_mask=mask.update(args[2], *lists))
+                assert torch.equal(loaded, flex)  # the same mask, listed by the loader
+            assert not any(seen) and len(seen) == 6 * len(model.blocks)
+            # rung 13's tiles reach flex_attention (a CPU runs it unfused and ignores them)
+            PackedNet(model, flex=True, tiles=FLEX_TILES)(*args, block_mask=mask.block_mask)
+            assert seen[-len(model.blocks) :] == [FLEX_TILES] * len(model.blocks)
+            seen.clear()
 
 
 def test_handing_gradients_over_is_accumulating_them():
