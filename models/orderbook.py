@@ -48,6 +48,11 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_heads
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:

@@ -141,8 +141,7 @@ class _GraphedForward:
     ) -> None:
         device = next(result.model.parameters()).device
         self.device, self.rows, self.B = device, rows, B
-        head_dim = result.model_config.d_model // result.model_config.n_heads
-        block, tiles = flex_layout(T, head_dim, tuned="flex_blocks" in rungs)
+        block, tiles = flex_layout(T, result.model_config.head_dim, tuned="flex_blocks" in rungs)
         net = PackedNet(result.model.eval(), flex="flex_attention" in rungs, tiles=tiles)
         if "compile" in rungs:
             net = apply_compile(net, backend="inductor")

@@ -165,8 +165,7 @@ class Training:
         else:
             logger = HostLogger(model)
         self.opt, self.logger = opt, logger
-        head_dim = model.cfg.d_model // model.cfg.n_heads
-        block, tiles = flex_layout(work.max_len, head_dim, tuned=sw.flex_blocks)
+        block, tiles = flex_layout(work.max_len, model.cfg.head_dim, tuned=sw.flex_blocks)
         net = apply_packing(model, flex=sw.flex_attention, tiles=tiles) if sw.packing else model
         how = {"backend": s.compile_backend, "autotune": sw.autotune, "combo": sw.combo_kernels}
         if sw.compile and s.compile_per_block:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from quantloop.models.orderbook import Block, OrderBookNet
+from quantloop.profiling.workload import PAD_SEG
 
 FLEX_BLOCK = 128  # FlexAttention's default sparse block: any kernel tiling divides it
 
@@ -38,7 +39,6 @@ FLEX_TILES = {
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
     "bwd_num_stages": 4, "bwd_num_warps": 4,
 }  # fmt: skip
-PAD_SEG = -1  # seg of the positions past T that fill a row's last, partial block
 MIN_HEAD_DIM = 16  # FlexAttention's Triton kernels: "NYI" below it (found with head dim 8)
 
 

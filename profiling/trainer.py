@@ -166,8 +166,7 @@ def train_applied(
     build takes minutes there)."""
     device = resolve_device(cfg.device)
     data = prepare(tables, inputs, labels, cfg, model_cfg)
-    head_dim = data.model_config.d_model // data.model_config.n_heads
-    plan = plan or plan_rungs(cfg.optimizations, device, head_dim=head_dim)
+    plan = plan or plan_rungs(cfg.optimizations, device, head_dim=data.model_config.head_dim)
     if not plan.rungs:
         return train_plain(data, cfg)  # bit for bit the plain loop
     return train_prepared(data, cfg, plan, compile_backend=compile_backend)
