@@ -282,6 +282,32 @@ SIMULATION = Form(
             title="Minimum gap (events)",
             description="A new trade needs at least this many events since the last one (>= 1).",
         ),
+        "latency_s": Field(
+            ge=0,
+            title="Latency (seconds)",
+            description="Decision-to-fill delay in seconds (>= 0): the order fills at the "
+            "touch of the book in force this long after the signal. 0 = at once.",
+        ),
+        "latency_events": Field(
+            ge=0,
+            title="Latency (events)",
+            description="Decision-to-fill delay in order-book events (integer >= 0): the fill "
+            "is at least this many events after the signal. With a latency in seconds too, "
+            "the later of the two wins.",
+        ),
+        "fee_bps": Field(
+            ge=-10,
+            le=100,
+            title="Fee (bps)",
+            description="Fee per fill in basis points of the fill price (-10 to 100); "
+            "negative = a rebate. Net mark-outs and the daily P&L subtract it.",
+        ),
+        "pnl_horizon": Field(
+            title="P&L horizon",
+            description="Mark-out horizon whose net mark-outs sum to the daily P&L, spelled "
+            "as a key of the horizons above ('60s' for 60 seconds, '100ev' for 100 events); "
+            "empty = the last clock horizon.",
+        ),
     },
 )
 

@@ -1,9 +1,15 @@
-"""Replay a signal over a feature table, trade at the touch, and mark the trades out.
+"""Replay a signal over a feature table, trade at the touch after a latency, and mark the
+trades out net of a fee.
 
 All vectorized: trades come from an exact greedy cool-down computed by pointer doubling
-(O(n log n), no loop per event or per trade), mark-outs from np.searchsorted on time.
+(O(n log n), no loop per event or per trade), fills and mark-outs from np.searchsorted on
+time. The decision is taken at the trigger event; the order meets the book `latency_s`
+seconds and at least `latency_events` events later (`fill_at`), at the touch there.
 A mark-out is D * (M - P) / P * 1e4 bps: D = +1 buy at the ask / -1 sell at the bid,
-P = the trade price, M = the mid a clock or event horizon later; NaN past the day's end.
+P = the fill price, M = the mid a clock or event horizon after the fill; NaN past the
+day's end. Net of the fee it is that minus `fee_bps` (one fee per trade: the mark-out
+marks to the mid, there is no exit fill). `daily_pnl` sums one horizon's net mark-outs
+per day.
 """
 
 from __future__ import annotations
@@ -64,6 +70,11 @@ def split_train_test(
 # ---------------------------------------------------------------- signal -> trades
 
 
+# A fee beyond these is a typo (bps for a fraction, or a percent): exchange taker fees are
+# well under 10 bps and maker rebates a few tenths of one.
+FEE_BPS_MIN, FEE_BPS_MAX = -10.0, 100.0
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SimConfig:
     signal_horizon: int = 0  # which model output (label index) is the trading signal
@@ -71,6 +82,10 @@ class SimConfig:
     markout_horizons_s: tuple[float, ...] = (1, 5, 30, 60, 300)
     markout_horizons_events: tuple[int, ...] = (10, 100)
     min_gap_events: int = 10  # a new trade needs at least this many events since the last one
+    latency_s: float = 0.0  # decision-to-fill delay in seconds (>= 0); see fill_at
+    latency_events: int = 0  # decision-to-fill delay in order-book events (>= 0); see fill_at
+    fee_bps: float = 0.0  # fee per fill, bps of the fill price; negative = a rebate
+    pnl_horizon: str = ""  # horizon key whose net mark-out is the daily P&L; "" = last clock one
 
     def __post_init__(self) -> None:
         if not isinstance(self.signal_horizon, int) or self.signal_horizon < 0:
@@ -85,18 +100,46 @@ class SimConfig:
             )
         if not isinstance(self.min_gap_events, int) or self.min_gap_events < 1:
             raise ValueError(f"min_gap_events must be an integer >= 1, got {self.min_gap_events}")
+        if not (isinstance(self.latency_s, int | float) and 0.0 <= self.latency_s < math.inf):
+            raise ValueError(f"latency_s must be a finite number >= 0, got {self.latency_s!r}")
+        if (
+            not isinstance(self.latency_events, int)
+            or isinstance(self.latency_events, bool)
+            or self.latency_events < 0
+        ):
+            raise ValueError(f"latency_events must be an integer >= 0, got {self.latency_events!r}")
+        if not (
+            isinstance(self.fee_bps, int | float) and FEE_BPS_MIN <= self.fee_bps <= FEE_BPS_MAX
+        ):
+            raise ValueError(
+                f"fee_bps must be in [{FEE_BPS_MIN:g}, {FEE_BPS_MAX:g}] bps, got {self.fee_bps!r}"
+            )
         object.__setattr__(
             self, "markout_horizons_s", tuple(float(h) for h in self.markout_horizons_s)
         )
         object.__setattr__(
             self, "markout_horizons_events", tuple(int(h) for h in self.markout_horizons_events)
         )
+        object.__setattr__(self, "latency_s", float(self.latency_s))
+        object.__setattr__(self, "fee_bps", float(self.fee_bps))
+        keys = self.horizon_keys()  # after the conversions: keys are spelled from floats
+        if self.pnl_horizon and self.pnl_horizon not in keys:
+            raise ValueError(f"pnl_horizon must be one of {keys} or '', got {self.pnl_horizon!r}")
+        if not self.pnl_horizon and not self.markout_horizons_s:
+            raise ValueError(
+                f"pnl_horizon '' means the last clock horizon, and markout_horizons_s is "
+                f"empty; name one of {keys}"
+            )
 
     def horizon_keys(self) -> list[str]:
         """'1s', '5s', ..., '10ev', '100ev': the summary's horizon keys, in column order."""
         return [f"{h:g}s" for h in self.markout_horizons_s] + [
             f"{h}ev" for h in self.markout_horizons_events
         ]
+
+    def pnl_key(self) -> str:
+        """The horizon key of the daily P&L: `pnl_horizon`, or the last clock horizon's."""
+        return self.pnl_horizon or f"{self.markout_horizons_s[-1]:g}s"
 
 
 def signal_column(signal: np.ndarray, cfg: SimConfig) -> np.ndarray:
@@ -143,28 +186,66 @@ def greedy_cooldown(events: np.ndarray, gap: int) -> np.ndarray:
     return events[np.unique(pos[pos < n])]
 
 
-def simulate(features: pa.Table, signal: np.ndarray, threshold: float, cfg: SimConfig) -> pa.Table:
-    """Trades of one day: at event t, signal > threshold buys at the ask, < -threshold sells
-    at the bid. Rule: a trigger trades unless it comes fewer than `min_gap_events` events
-    after the previous trade (greedy cool-down; buys and sells share it).
+def fill_at(
+    time: np.ndarray, rows: np.ndarray, cfg: SimConfig
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where decisions at event `rows` fill: (fill_row, fill_time, filled), the first two
+    for the filled decisions only, `filled` a mask over `rows`.
 
-    Columns: row (event index in `features`), time, side (+1/-1), price, mid, signal.
+    The order reaches the book latency_s seconds after the decision at t = time[row] and no
+    sooner than latency_events events after it: fill_row j = max(row + latency_events, the
+    last event with time <= t + latency_s), i.e. the book in force when the order arrives
+    (the mark-outs read the mid by the same rule). fill_time = max(t + latency_s, time[j]):
+    the arrival instant, or the fill row's own time when the event count is what holds the
+    order back. With latency_s = 0 the clock part is row itself: later events stamped with
+    the same time as the decision do not count as passed, so both latencies 0 fill at the
+    decision row, at the decision time. A decision whose fill would come after the day's
+    last event (row + latency_events past the last row, or t + latency_s after its time)
+    is dropped: there is no book to fill against.
+    """
+    n = len(time)
+    t = time[rows]
+    j = rows + cfg.latency_events
+    if cfg.latency_s > 0:
+        j = np.maximum(j, np.searchsorted(time, t + cfg.latency_s, side="right") - 1)
+    end = time[-1] if n else -np.inf
+    filled = (j < n) & (t + cfg.latency_s <= end)
+    j = j[filled]
+    return j, np.maximum(t[filled] + cfg.latency_s, time[j]), filled
+
+
+def simulate(features: pa.Table, signal: np.ndarray, threshold: float, cfg: SimConfig) -> pa.Table:
+    """Trades of one day: at event t, signal > threshold decides to buy at the ask, <
+    -threshold to sell at the bid. Rule: a trigger trades unless it comes fewer than
+    `min_gap_events` events after the previous trade's decision (greedy cool-down on the
+    trigger rows; buys and sells share it). The fill comes after the latency (`fill_at`),
+    at the touch of the fill row; a decision with no fill before the day's end is dropped.
+
+    Columns: row (decision event index in `features`), time (decision time), side (+1/-1),
+    price (fill price), mid (mid at the decision), signal, fill_row, fill_time.
     """
     s = signal_column(signal, cfg)
     if len(s) != features.num_rows:
         raise ValueError(f"signal has {len(s)} rows, features {features.num_rows}")
+    time = _column(features, "time")
     triggers = np.flatnonzero(np.abs(np.nan_to_num(s, nan=0.0)) > threshold)
+    # The cool-down runs on decisions, before any drop: dropped ones are the day's last
+    # (the fill rule is monotone in the row), so they block no decision that could fill.
     rows = greedy_cooldown(triggers, cfg.min_gap_events)
+    fill_row, fill_time, filled = fill_at(time, rows, cfg)
+    rows = rows[filled]
     side = np.sign(s[rows]).astype(np.int8)
-    ask, bid = _column(features, "ask")[rows], _column(features, "bid")[rows]
+    ask, bid = _column(features, "ask")[fill_row], _column(features, "bid")[fill_row]
     return pa.table(
         {
             "row": rows.astype(np.int64),
-            "time": _column(features, "time")[rows],
+            "time": time[rows],
             "side": side,
             "price": np.where(side > 0, ask, bid),
             "mid": _column(features, "mid")[rows],
             "signal": s[rows],
+            "fill_row": fill_row.astype(np.int64),
+            "fill_time": fill_time.astype(np.float64),
         }
     )
 
@@ -177,30 +258,81 @@ def _column(table: pa.Table, name: str) -> np.ndarray:
 
 
 def markout(trades: pa.Table, features: pa.Table, cfg: SimConfig) -> pa.Table:
-    """trades + one `markout_{key}` column (bps) per horizon key ('1s', ..., '10ev').
+    """trades + per horizon key ('1s', ..., '10ev'): `markout_{key}` (gross bps),
+    `net_{key}` (markout_{key} - fee_bps) and `elapsed_{key}` (seconds from the fill to
+    the event the mark-out reads), all NaN where the mark-out is.
 
-    Clock horizon h: M = mid at the last event with time <= t + h; NaN when t + h is after
-    the day's last event. Event horizon k: M = mid k events later; NaN past the last event.
+    Horizons start at the fill (fill_row, fill_time) and are marked against the fill price.
+    Clock horizon h: M = mid at the last event with time <= fill_time + h; NaN when that is
+    after the day's last event; elapsed = that event's time - fill_time, clipped to [0, h]
+    (the event read precedes the fill instant when none comes within h of it: the fill
+    row itself; it passes h only by the rounding of fill_time + h). Event horizon k: M = mid at
+    fill_row + k; NaN past the last event; elapsed = time[fill_row + k] - fill_time.
+    Tables from before fills had their own columns (no fill_row / fill_time) are marked
+    from row / time, which is where they filled.
     """
     time, mid = _column(features, "time"), _column(features, "mid")
     n = len(time)
-    rows = trades.column("row").to_numpy(zero_copy_only=False).astype(np.int64)
-    t = _column(trades, "time")
+    names = trades.column_names
+    from_row = "fill_row" if "fill_row" in names else "row"
+    rows = trades.column(from_row).to_numpy(zero_copy_only=False).astype(np.int64)
+    t = _column(trades, "fill_time" if "fill_time" in names else "time")
     d = _column(trades, "side")
     p = _column(trades, "price")
     end = time[-1] if n else -np.inf  # no events: every mark-out is NaN (and no trades)
     last = max(n - 1, 0)
-    out = trades
-    # per horizon: target event j [trades] and whether it exists ok [trades]
+    # per horizon: target event j [trades], whether it exists ok [trades], and the most
+    # seconds the mark-out may span (inf: an event horizon has no clock bound)
     targets = [
-        (np.searchsorted(time, t + h, side="right") - 1, t + h <= end)
+        (np.searchsorted(time, t + h, side="right") - 1, t + h <= end, h)
         for h in cfg.markout_horizons_s
-    ] + [(rows + k, rows + k < n) for k in cfg.markout_horizons_events]
-    for key, (j, ok) in zip(cfg.horizon_keys(), targets, strict=True):
-        m = mid[np.clip(j, 0, last)] if n else np.full(len(t), np.nan)
+    ] + [(rows + k, rows + k < n, np.inf) for k in cfg.markout_horizons_events]
+    gross, net, elapsed = {}, {}, {}
+    for key, (j, ok, span) in zip(cfg.horizon_keys(), targets, strict=True):
+        at = np.clip(j, 0, last)
+        m = mid[at] if n else np.full(len(t), np.nan)
         bps = np.where(ok, d * (m - p) / p * 1e4, np.nan)
-        out = out.append_column(f"markout_{key}", pa.array(bps, pa.float64()))
+        gross[key], net[key] = bps, bps - cfg.fee_bps
+        seconds = np.clip(time[at] - t, 0.0, span) if n else np.full(len(t), np.nan)
+        elapsed[key] = np.where(ok, seconds, np.nan)
+    out = trades
+    for prefix, columns in (("markout", gross), ("net", net), ("elapsed", elapsed)):
+        for key, values in columns.items():
+            out = out.append_column(f"{prefix}_{key}", pa.array(values, pa.float64()))
     return out
+
+
+def daily_pnl(markouts: pa.Table, cfg: SimConfig) -> pa.Table:
+    """One row per day of `markouts` (which needs a `day` column, as replay_all adds), in
+    day order: day, trades, pnl_bps, gross_bps, fees_bps.
+
+    Over the day's trades whose mark-out at `cfg.pnl_key()` exists (a trade whose horizon
+    runs past the close is in none of the sums, nor in `trades`): pnl_bps = sum of
+    net_{key}, gross_bps = sum of markout_{key}, fees_bps = the fees those trades paid,
+    read from the table (gross - net), so the P&L is in bps of one unit of notional per
+    trade. A day with trades but none marked has zeros; a day without trades has no row.
+    """
+    key = cfg.pnl_key()
+    missing = [c for c in ("day", f"markout_{key}", f"net_{key}") if c not in markouts.column_names]
+    if missing:
+        raise ValueError(f"daily_pnl needs columns {missing} (pnl horizon {key!r})")
+    gross, net = _column(markouts, f"markout_{key}"), _column(markouts, f"net_{key}")
+    day = markouts.column("day")
+    days, group = np.unique(day.to_numpy(zero_copy_only=False), return_inverse=True)
+    ok = np.isfinite(net)
+
+    def per_day(values: np.ndarray) -> np.ndarray:
+        return np.bincount(group, weights=np.where(ok, values, 0.0), minlength=len(days))
+
+    return pa.table(
+        {
+            "day": pa.array(days, day.type),
+            "trades": per_day(np.ones(len(net))).astype(np.int64),
+            "pnl_bps": per_day(net),
+            "gross_bps": per_day(gross),
+            "fees_bps": per_day(gross - net),
+        }
+    )
 
 
 def _stats(tables: list[pa.Table], keys: list[str]) -> dict:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +16,7 @@ from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import (
     SimConfig,
     baseline_signal,
+    daily_pnl,
     greedy_cooldown,
     markout,
     simulate,
@@ -21,6 +24,7 @@ from quantloop.tasks.simulation import (
     summarize,
     thresholds_from,
 )
+from quantloop.tasks.synthetic import SyntheticConfig, generate_day
 from tests.books import random_book
 
 CFG = SimConfig(markout_horizons_s=(1, 5), markout_horizons_events=(2,), min_gap_events=3)
@@ -202,3 +206,234 @@ def test_markout_plot_keeps_clock_and_event_horizons_apart():
     assert list(clock_line.get_xdata()) == [1.0, 5.0, 300.0]
     assert list(event_line.get_xdata()) == [10.0, 100.0]
     assert list(event_line.get_ydata()) == [-0.9, -0.3]
+
+
+# ---------------------------------------------------------------- latency, fees, daily P&L
+
+
+def synthetic_day(events: int = 6_000) -> pa.Table:
+    book = generate_day("SYNA", dt.date(2026, 3, 2), SyntheticConfig(events_per_day=events))
+    return compute_features(book, FeatureParams())
+
+
+def replay_before_latency(f: pa.Table, signal: np.ndarray, threshold: float, cfg: SimConfig):
+    """The replay as it was before latency and fees (commit ef6231f), kept here as the
+    reference: fill at the decision row's touch, mark out from the decision."""
+
+    def col(table, name):
+        return table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
+
+    s = signal if signal.ndim == 1 else signal[:, cfg.signal_horizon]
+    rows = greedy_cooldown(
+        np.flatnonzero(np.abs(np.nan_to_num(s, nan=0.0)) > threshold), cfg.min_gap_events
+    )
+    side = np.sign(s[rows]).astype(np.int8)
+    trades = pa.table({"row": rows.astype(np.int64), "time": col(f, "time")[rows],
+                       "side": side,
+                       "price": np.where(side > 0, col(f, "ask")[rows], col(f, "bid")[rows]),
+                       "mid": col(f, "mid")[rows], "signal": s[rows]})  # fmt: skip
+    time, mid = col(f, "time"), col(f, "mid")
+    n, t, d, p = len(time), col(trades, "time"), col(trades, "side"), col(trades, "price")
+    targets = [
+        (np.searchsorted(time, t + h, side="right") - 1, t + h <= time[-1])
+        for h in cfg.markout_horizons_s
+    ] + [(rows + k, rows + k < n) for k in cfg.markout_horizons_events]
+    out = trades
+    for key, (j, ok) in zip(cfg.horizon_keys(), targets, strict=True):
+        bps = np.where(ok, d * (mid[np.clip(j, 0, n - 1)] - p) / p * 1e4, np.nan)
+        out = out.append_column(f"markout_{key}", pa.array(bps, pa.float64()))
+    return out
+
+
+def same_bits(a: pa.ChunkedArray, b: pa.ChunkedArray) -> bool:
+    x, y = a.to_numpy(), b.to_numpy()
+    return a.type == b.type and x.shape == y.shape and x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("min_gap", [1, 10])
+def test_zero_latency_and_fee_is_the_replay_before_them_bit_for_bit(min_gap):
+    f = synthetic_day()
+    cfg = SimConfig(min_gap_events=min_gap)
+    signal = baseline_signal(f)
+    signal[::97] = np.nan  # a model's NaN predictions trade nowhere, as before
+    threshold = thresholds_from(signal, cfg)
+    expected = replay_before_latency(f, signal, threshold, cfg)
+    marked = markout(simulate(f, signal, threshold, cfg), f, cfg)
+    assert expected.num_rows > 100 and marked.num_rows == expected.num_rows
+    for name in expected.column_names:
+        assert same_bits(marked.column(name), expected.column(name)), name
+    assert same_bits(marked.column("fill_row"), expected.column("row"))
+    assert same_bits(marked.column("fill_time"), expected.column("time"))
+    for key in cfg.horizon_keys():
+        assert same_bits(marked.column(f"net_{key}"), expected.column(f"markout_{key}")), key
+    # a table stored before fills had columns of their own is marked out as before
+    old = markout(simulate(f, signal, threshold, cfg).drop_columns(["fill_row", "fill_time"]),
+                  f, cfg)  # fmt: skip
+    for name in expected.column_names:
+        assert same_bits(old.column(name), expected.column(name)), name
+
+
+def test_a_latency_in_events_fills_that_many_rows_later_at_that_rows_touch():
+    f = features(time=[0.0, 0.5, 2.0, 5.0, 6.0],
+                 bid=[99.90, 99.95, 100.00, 100.05, 100.05],
+                 ask=[100.00, 100.05, 100.10, 100.15, 100.15])  # fmt: skip
+    cfg = SimConfig(markout_horizons_s=(1,), markout_horizons_events=(1,), min_gap_events=1,
+                    latency_events=2)  # fmt: skip
+    [buy] = simulate(f, np.array([1.0, 0, 0, 0, 0]), 0.5, cfg).to_pylist()
+    assert (buy["row"], buy["time"], buy["mid"]) == (0, 0.0, 99.95)  # the decision
+    assert (buy["fill_row"], buy["fill_time"], buy["price"]) == (2, 2.0, 100.10)  # the fill
+    # on a synthetic day: every fill k rows after its decision, at the touch there
+    f = synthetic_day()
+    cfg = SimConfig(latency_events=3)
+    signal = baseline_signal(f)
+    trades = simulate(f, signal, thresholds_from(signal, cfg), cfg)
+    rows, fill = trades.column("row").to_numpy(), trades.column("fill_row").to_numpy()
+    assert trades.num_rows > 100 and (fill == rows + 3).all()
+    side = trades.column("side").to_numpy()
+    touch = np.where(side > 0, f.column("ask").to_numpy()[fill], f.column("bid").to_numpy()[fill])
+    assert np.array_equal(trades.column("price").to_numpy(), touch)
+    assert np.array_equal(trades.column("fill_time").to_numpy(), f.column("time").to_numpy()[fill])
+    assert np.array_equal(trades.column("mid").to_numpy(), f.column("mid").to_numpy()[rows])
+
+
+def test_a_latency_in_seconds_fills_at_the_book_in_force_on_arrival():
+    # rows 0 and 1 share a time stamp; rows 2.. follow at 0.4, 1.0, 1.5, 3.0
+    f = features(time=[0.0, 0.0, 0.4, 1.0, 1.5, 3.0],
+                 bid=[99.0, 99.1, 99.2, 99.3, 99.4, 99.5],
+                 ask=[100.0, 100.1, 100.2, 100.3, 100.4, 100.5])  # fmt: skip
+    buy = np.array([1.0, 0, 0, 0, 0, 0])
+
+    def fill(**latency):
+        cfg = SimConfig(markout_horizons_s=(1,), markout_horizons_events=(1,), **latency)
+        [trade] = simulate(f, buy, 0.5, cfg).to_pylist()
+        return trade["fill_row"], trade["fill_time"], trade["price"]
+
+    assert fill() == (0, 0.0, 100.0)  # no latency: row 1, stamped the same time, is not passed
+    assert fill(latency_s=0.1) == (1, 0.1, 100.1)  # any delay passes it
+    assert fill(latency_s=0.5) == (2, 0.5, 100.2)  # last event at or before 0.5 is row 2
+    assert fill(latency_s=1.0) == (3, 1.0, 100.3)  # an event exactly on arrival counts
+    assert fill(latency_s=0.5, latency_events=3) == (3, 1.0, 100.3)  # the events are later
+    assert fill(latency_s=1.4, latency_events=1) == (3, 1.4, 100.3)  # the clock is later
+
+
+def test_a_trade_whose_fill_is_past_the_days_end_is_dropped():
+    f = features(np.arange(5.0), np.full(5, 99.0), np.full(5, 101.0))
+    signal = np.array([1.0, 0.0, 0.0, -1.0, 0.0])
+
+    def decisions(**latency):
+        cfg = SimConfig(markout_horizons_s=(1,), markout_horizons_events=(1,), min_gap_events=1,
+                        **latency)  # fmt: skip
+        return simulate(f, signal, 0.5, cfg).column("row").to_pylist()
+
+    assert decisions(latency_events=1) == [0, 3]  # row 3 fills at row 4, the last
+    assert decisions(latency_events=2) == [0]  # row 3 would fill at row 5: no such row
+    assert decisions(latency_s=1.0) == [0, 3]  # 3 + 1 s is the last event's time
+    assert decisions(latency_s=1.5) == [0]  # 3 + 1.5 s is after the close
+    assert decisions(latency_events=5) == []
+
+
+def test_the_fee_comes_off_every_mark_out_and_a_rebate_adds_to_it():
+    f = synthetic_day()
+    gross = None
+    for fee in (0.0, 2.5, -0.3):
+        cfg = SimConfig(fee_bps=fee, latency_s=0.2)
+        signal = baseline_signal(f)
+        marked = markout(simulate(f, signal, thresholds_from(signal, cfg), cfg), f, cfg)
+        for key in cfg.horizon_keys():
+            g = marked.column(f"markout_{key}").to_numpy()
+            net = marked.column(f"net_{key}").to_numpy()
+            assert np.array_equal(np.isnan(net), np.isnan(g)), key  # NaN stays NaN
+            assert np.array_equal(net[~np.isnan(g)], g[~np.isnan(g)] - fee), key
+            if gross is not None:  # the fee leaves the gross mark-out alone
+                assert np.array_equal(g, gross[key], equal_nan=True), key
+            if fee < 0:
+                assert (net[~np.isnan(g)] > g[~np.isnan(g)]).all(), key
+        gross = {k: marked.column(f"markout_{k}").to_numpy() for k in cfg.horizon_keys()}
+        assert np.isnan(gross["300s"]).any()  # the day's last trades: NaN was tried
+
+
+def test_elapsed_is_the_time_from_the_fill_to_the_event_the_mark_out_reads():
+    f = features(time=[0.0, 0.0, 0.4, 1.0, 1.5, 3.0, 13.0],
+                 bid=np.full(7, 99.0), ask=np.full(7, 101.0))  # fmt: skip
+    cfg = SimConfig(markout_horizons_s=(1, 5, 20), markout_horizons_events=(2, 5),
+                    latency_s=0.5)  # fmt: skip
+    [trade] = markout(simulate(f, np.array([1.0, 0, 0, 0, 0, 0, 0]), 0.5, cfg), f, cfg).to_pylist()
+    assert (trade["fill_row"], trade["fill_time"]) == (2, 0.5)
+    assert trade["elapsed_1s"] == 1.0  # the last event at or before 1.5 is row 4, at 1.5
+    assert trade["elapsed_5s"] == 2.5  # at or before 5.5: row 5, at 3.0
+    assert math.isnan(trade["elapsed_20s"]) and math.isnan(trade["markout_20s"])  # past 13
+    assert trade["elapsed_2ev"] == 1.0  # row 2 + 2 = 4, at 1.5: 1.5 - 0.5
+    assert math.isnan(trade["elapsed_5ev"]) and math.isnan(trade["markout_5ev"])  # row 7
+    # nothing happens within 1 s of a fill at 3.5: the mark-out reads the fill's own book
+    [late] = markout(simulate(f, np.array([0, 0, 0, 0, 0, 1.0, 0]), 0.5, cfg), f, cfg).to_pylist()
+    assert (late["fill_row"], late["fill_time"], late["elapsed_1s"]) == (5, 3.5, 0.0)
+    # on a synthetic day: clock elapsed within [0, h], NaN exactly where the mark-out is
+    f = synthetic_day()
+    cfg = SimConfig(latency_s=0.7, latency_events=1)
+    signal = baseline_signal(f)
+    marked = markout(simulate(f, signal, thresholds_from(signal, cfg), cfg), f, cfg)
+    time = f.column("time").to_numpy()
+    fill, fill_time = marked.column("fill_row").to_numpy(), marked.column("fill_time").to_numpy()
+    for key, h in zip(cfg.horizon_keys(), cfg.markout_horizons_s, strict=False):
+        e = marked.column(f"elapsed_{key}").to_numpy()
+        assert np.array_equal(np.isnan(e), np.isnan(marked.column(f"markout_{key}").to_numpy()))
+        assert ((e[~np.isnan(e)] >= 0) & (e[~np.isnan(e)] <= h)).all(), key
+    for k in cfg.markout_horizons_events:
+        e = marked.column(f"elapsed_{k}ev").to_numpy()
+        ok = fill + k < len(time)
+        assert np.array_equal(e[ok], time[fill[ok] + k] - fill_time[ok]) and np.isnan(e[~ok]).all()
+
+
+def test_daily_pnl_sums_each_days_net_mark_outs():
+    cfg = SimConfig(markout_horizons_s=(1, 5), markout_horizons_events=(2,), min_gap_events=1,
+                    fee_bps=1.0, pnl_horizon="5s")  # fmt: skip
+    f = features(time=[0.0, 0.5, 2.0, 5.0, 6.0],
+                 bid=[99.90, 99.95, 100.00, 100.05, 100.05],
+                 ask=[100.00, 100.05, 100.10, 100.15, 100.15])  # fmt: skip
+    days = []
+    for day, signal in (("2026-03-03", [1.0, 0, 0, -1.0, 0]), ("2026-03-02", [0, -1.0, 0, 0, 0]),
+                        ("2026-03-04", [0, 0, 0, 0, 1.0])):  # fmt: skip
+        m = markout(simulate(f, np.array(signal), 0.5, cfg), f, cfg)
+        days.append(m.append_column("day", pa.array([day] * m.num_rows)))
+    pnl = daily_pnl(pa.concat_tables(days), cfg).to_pydict()
+    assert pnl["day"] == ["2026-03-02", "2026-03-03", "2026-03-04"]
+    # 03-03: the buy at 100.00 marks +10 bps at 5 s; the sell at 5.0 runs past the close
+    # 03-02: a sell at the bid 99.95 at 0.5 s, mid 100.10 at 5.5 s; 03-04: past the close
+    sell = -(100.10 - 99.95) / 99.95 * 1e4
+    assert pnl["trades"] == [1, 1, 0]
+    assert pnl["gross_bps"] == [pytest.approx(sell), pytest.approx(10.0), 0.0]
+    assert pnl["fees_bps"] == [pytest.approx(1.0), pytest.approx(1.0), 0.0]
+    assert pnl["pnl_bps"] == [pytest.approx(sell - 1), pytest.approx(9.0), 0.0]
+    # the default horizon is the last clock one; an event horizon can be named
+    assert SimConfig().pnl_key() == "300s" and SimConfig(pnl_horizon="100ev").pnl_key() == "100ev"
+    by_events = daily_pnl(pa.concat_tables(days), dataclasses.replace(cfg, pnl_horizon="2ev"))
+    assert by_events.column("trades").to_pylist() == [1, 1, 0]  # 03-03: row 3 + 2 is past the end
+    with pytest.raises(ValueError, match="net_60s"):
+        daily_pnl(days[0], SimConfig(pnl_horizon="60s"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("latency_s", -0.5), ("latency_s", float("nan")), ("latency_events", -1),
+     ("latency_events", 1.5), ("fee_bps", 100.5), ("fee_bps", -11.0), ("pnl_horizon", "7s")],
+)  # fmt: skip
+def test_config_errors_name_the_field_and_the_value(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} .*{re.escape(repr(value))}"):
+        SimConfig(**{field: value})
+
+
+def test_the_form_bounds_the_new_fields():
+    from pydantic import TypeAdapter, ValidationError
+
+    from quantloop.tasks.form import SimForm
+
+    adapter = TypeAdapter(SimForm)
+    cfg = adapter.validate_python({"latency_s": 0.25, "latency_events": 2, "fee_bps": -0.2,
+                                   "pnl_horizon": "10ev"})  # fmt: skip
+    assert cfg == SimConfig(latency_s=0.25, latency_events=2, fee_bps=-0.2, pnl_horizon="10ev")
+    with pytest.raises(ValidationError) as err:
+        adapter.validate_python({"latency_s": -1, "latency_events": -1, "fee_bps": 101})
+    assert {e["loc"] for e in err.value.errors()} == {("latency_s",), ("latency_events",),
+                                                     ("fee_bps",)}  # fmt: skip
+    with pytest.raises(ValidationError, match="pnl_horizon"):
+        adapter.validate_python({"pnl_horizon": "7s"})
