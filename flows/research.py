@@ -30,7 +30,13 @@ from quantloop.tasks.planning import product_params
 from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.sites import SiteCounts
 from quantloop.tasks.stage import DamagedOutputs
-from quantloop.tasks.summary import ResearchSummary, markout_table, product_table, site_table
+from quantloop.tasks.summary import (
+    ResearchSummary,
+    markout_table,
+    product_table,
+    site_table,
+    validity_notes,
+)
 from quantloop.tasks.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
 from quantloop.tasks.workspace import Selection
 
@@ -253,6 +259,15 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 "trades": sim.trades,
                 **{f"markout_bps.{h}": v for h, v in sim.markout_bps.items()},
                 **{f"baseline_markout_bps.{h}": v for h, v in sim.baseline_markout_bps.items()},
+                **{f"markout_se_bps.{h}": v for h, v in sim.markout_se_bps.items() if v == v},
+                **{f"paired.markout_bps.{h}": d["mean_bps"] for h, d in sim.paired_bps.items()},
+                **{
+                    f"paired.p_adjusted.{h}": d["p_adjusted"]
+                    for h, d in sim.paired_bps.items()
+                    if d["p_adjusted"] == d["p_adjusted"]
+                },
+                "model.pnl_bps": sim.pnl["model"]["total_bps"],
+                "baseline.pnl_bps": sim.pnl["baseline"]["total_bps"],
                 **placement_metrics(sites),
             }
         )
@@ -266,6 +281,12 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         healed_outputs=healed,
         markout_bps=sim.markout_bps,
         baseline_markout_bps=sim.baseline_markout_bps,
+        markout_se_bps=sim.markout_se_bps,
+        baseline_markout_se_bps=sim.baseline_markout_se_bps,
+        insufficient=sim.model["total"]["insufficient"],
+        paired_bps=sim.paired_bps,
+        paired_equal_count_bps=sim.paired_equal_count_bps,
+        pnl=sim.pnl,
         hit_rate=sim.model["total"]["hit_rate"],
         baseline_hit_rate=sim.baseline["total"]["hit_rate"],
         trades=sim.trades,
@@ -346,6 +367,8 @@ def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
             "",
             "## Mark-out (bps, held-out data)",
             markout_table(summary).markdown(),
+            "",
+            *(f"- {note}" for note in validity_notes(summary)),
             "",
             "## Sites",
             f"Placement `{summary.placement}`: {summary.bytes_across_sites:,} input bytes "

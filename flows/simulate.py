@@ -15,7 +15,9 @@ from quantloop.tasks.engine import code_fingerprint
 from quantloop.tasks.form import SimForm
 from quantloop.tasks.simulation import (
     SimConfig,
+    equal_counts,
     paired_difference,
+    pnl,
     split_markouts,
     stack_markouts,
     summarize,
@@ -25,13 +27,20 @@ from quantloop.tasks.stage import StageParams, feature_outputs, keyed_output, ou
 
 
 class SimSummary(BaseModel):
-    model: dict  # summarize(): {product|"total": {count, mean_bps, se_bps, hit_rate}}
+    # summarize(): {product|"total": {count, and per horizon mean_bps, se_bps (HAC),
+    # se_iid_bps, net_bps, hit_rate, hit_rate_se, windows, n_eff, insufficient}}
+    model: dict
     baseline: dict
     markout_bps: dict[str, float]  # model, all products, by horizon
     baseline_markout_bps: dict[str, float]
-    markout_se_bps: dict[str, float]  # standard error of markout_bps
-    # model minus baseline, paired by product, day and 5 minutes: {horizon: mean, se, pairs}
-    paired_bps: dict[str, dict[str, float]]
+    markout_se_bps: dict[str, float]  # HAC standard error of markout_bps (NaN: insufficient)
+    baseline_markout_se_bps: dict[str, float] = {}
+    # model minus baseline on the same held-out data, paired HAC SE, p-values raw, Holm over
+    # horizons and Sidak over trials: paired_difference()'s {horizon: {...}}
+    paired_bps: dict[str, dict]
+    # the same with both signals at one out-of-sample trade count (equal_counts)
+    paired_equal_count_bps: dict[str, dict] = {}
+    pnl: dict = {}  # {"model"|"baseline": pnl(): daily P&L net of fees, total, its SE}
     trades: int
     baseline_trades: int
     cache_hit: bool = False
@@ -113,15 +122,21 @@ def simulate(
     merged = sim.value
     if sim.cache_hit:
         logger.info("simulation %s is cached: not replayed", key[:12])
-    model_summary = summarize(merged["model"])
-    base_summary = summarize(merged["baseline"])
+    model_summary = summarize(merged["model"], config.fee_bps)
+    base_summary = summarize(merged["baseline"], config.fee_bps)
+    keys = config.horizon_keys()
     result = SimSummary(
         model=model_summary,
         baseline=base_summary,
         markout_bps=model_summary["total"]["mean_bps"],
         baseline_markout_bps=base_summary["total"]["mean_bps"],
         markout_se_bps=model_summary["total"]["se_bps"],
-        paired_bps=paired_difference(merged["model"], merged["baseline"], config.horizon_keys()),
+        baseline_markout_se_bps=base_summary["total"]["se_bps"],
+        paired_bps=paired_difference(merged["model"], merged["baseline"], keys),
+        paired_equal_count_bps=paired_difference(
+            *equal_counts(merged["model"], merged["baseline"]), keys
+        ),
+        pnl={name: pnl(merged[name], config) for name in ("model", "baseline")},
         trades=model_summary["total"]["count"],
         baseline_trades=base_summary["total"]["count"],
         cache_hit=sim.cache_hit,
@@ -160,32 +175,47 @@ def simulate(
                     "compute_s": ran["compute_s"],
                     "bytes_across_sites": across,
                 })  # fmt: skip
+            metrics: dict[str, float] = {}
             for name, summary in (("model", model_summary), ("baseline", base_summary)):
                 for product, stats in summary.items():
                     prefix = f"{name}.{product}"
-                    run.metrics({f"{prefix}.trades": stats["count"]})
-                    run.metrics(
-                        {f"{prefix}.markout_bps.{h}": v for h, v in stats["mean_bps"].items()}
-                    )
-                    run.metrics({f"{prefix}.hit_rate.{h}": v for h, v in stats["hit_rate"].items()})
-                    run.metrics({f"{prefix}.markout_se_bps.{h}": v
-                                 for h, v in stats["se_bps"].items()})  # fmt: skip
-            for h, d in result.paired_bps.items():
-                run.metrics(
-                    {
-                        f"paired.markout_bps.{h}": d["mean_bps"],
-                        f"paired.se_bps.{h}": d["se_bps"],
-                        f"paired.pairs.{h}": d["pairs"],
-                    }
-                )
+                    metrics[f"{prefix}.trades"] = stats["count"]
+                    for field, label in (("mean_bps", "markout_bps"), ("se_bps", "markout_se_bps"),
+                                         ("se_iid_bps", "markout_se_iid_bps"),
+                                         ("net_bps", "markout_net_bps"), ("hit_rate", "hit_rate"),
+                                         ("windows", "windows"), ("n_eff", "n_eff")):  # fmt: skip
+                        metrics.update({f"{prefix}.{label}.{h}": v
+                                        for h, v in stats[field].items()})  # fmt: skip
+                day_pnl = result.pnl[name]
+                metrics[f"{name}.pnl_bps"] = day_pnl["total_bps"]
+                metrics[f"{name}.pnl_se_bps"] = day_pnl["se_bps"]
+            for label, paired in (
+                ("paired", result.paired_bps),
+                ("paired_equal_count", result.paired_equal_count_bps),
+            ):
+                for h, d in paired.items():
+                    metrics.update({
+                        f"{label}.markout_bps.{h}": d["mean_bps"],
+                        f"{label}.se_bps.{h}": d["se_bps"],
+                        f"{label}.p_value.{h}": d["p_value"],
+                        f"{label}.p_holm.{h}": d["p_holm"],
+                        f"{label}.windows.{h}": d["windows"],
+                        f"{label}.significant.{h}": float(d["significant"]),
+                    })  # fmt: skip
+            # MLflow takes no NaN from every store: an untested horizon's SE is left out
+            run.metrics({k: float(v) for k, v in metrics.items() if v == v})
             run.flush()
             run.tags({"simulation_key": key, "cache_hit": sim.cache_hit})
             run.table(stack_markouts(merged), "markouts.parquet", "markouts")
+            run.json({"paired": result.paired_bps,
+                      "paired_equal_count": result.paired_equal_count_bps,
+                      "pnl": result.pnl, "method": "tasks/uncertainty.py"},
+                     "validation.json", "validation")  # fmt: skip
             run.figure(
                 plots.markout_curve(
                     {"model": result.markout_bps, "baseline": result.baseline_markout_bps},
                     {"model": result.markout_se_bps,
-                     "baseline": base_summary["total"]["se_bps"]},
+                     "baseline": result.baseline_markout_se_bps},
                 ),
                 "markout_curve.png",
             )  # fmt: skip

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from quantloop.tasks.summary import TextTable, markout_table
+from quantloop.tasks.summary import TextTable, markout_table, validity_notes
 
 # Options several commands share.
 HomeOption = Annotated[
@@ -238,6 +238,8 @@ def run(
         finally:
             progress.install(None)
     console.print(rich_table(markout_table(summary)))
+    for note in validity_notes(summary):
+        console.print(note, soft_wrap=True)
     cached = [n for n, hit in (("model", summary.model_cached),
                                ("simulation", summary.simulation_cached)) if hit]  # fmt: skip
     console.print(

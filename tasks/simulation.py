@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from quantloop.tasks import uncertainty
 from quantloop.tasks.schema import Partition
 
 _LABEL_RE = re.compile(r"^label_(\d+)$")
@@ -335,70 +336,133 @@ def daily_pnl(markouts: pa.Table, cfg: SimConfig) -> pa.Table:
     )
 
 
-def _stats(tables: list[pa.Table], keys: list[str]) -> dict:
-    count = sum(t.num_rows for t in tables)
-    mean_bps, se_bps, hit_rate = {}, {}, {}
-    for key in keys:
-        parts = [_column(t, f"markout_{key}") for t in tables if f"markout_{key}" in t.column_names]
-        v = np.concatenate(parts) if parts else np.zeros(0)
-        v = v[np.isfinite(v)]
-        mean_bps[key] = float(v.mean()) if len(v) else float("nan")
-        # standard error of the mean: the scale a difference between signals is judged on
-        se_bps[key] = float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
-        hit_rate[key] = float((v > 0).mean()) if len(v) else float("nan")
-    return {"count": int(count), "mean_bps": mean_bps, "se_bps": se_bps, "hit_rate": hit_rate}
-
-
-PAIR_BUCKET_S = 300.0  # trades of both signals in the same 5 minutes of one day are a pair
-
-
-def paired_difference(
-    model: Mapping[str, pa.Table], baseline: Mapping[str, pa.Table], keys: list[str]
-) -> dict[str, dict[str, float]]:
-    """Model minus baseline mean mark-out per horizon, paired by market conditions: per
-    product, day and PAIR_BUCKET_S of clock time, the difference of the two signals' mean
-    mark-outs there; the mean of those differences and its standard error. Pairing takes
-    the market's own moves out of the comparison (both signals trade the same minutes),
-    which the two means' separate standard errors cannot. Tables need a `day` column."""
-
-    def buckets(table: pa.Table, key: str) -> dict[tuple, float]:
-        v = _column(table, f"markout_{key}")
-        ok = np.isfinite(v)
-        b = np.floor(_column(table, "time") / PAIR_BUCKET_S)
-        days = table.column("day").to_numpy(zero_copy_only=False)
-        sums: dict[tuple, list[float]] = {}
-        for day, bucket, x in zip(days[ok], b[ok], v[ok], strict=True):
-            sums.setdefault((day, bucket), []).append(x)
-        return {k: float(np.mean(xs)) for k, xs in sums.items()}
-
-    out = {}
-    for key in keys:
-        diffs = []
-        for product in sorted(set(model) & set(baseline)):
-            m, b = buckets(model[product], key), buckets(baseline[product], key)
-            diffs += [m[k] - b[k] for k in m.keys() & b.keys()]
-        d = np.asarray(diffs)
-        out[key] = {
-            "mean_bps": float(d.mean()) if len(d) else float("nan"),
-            "se_bps": float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan"),
-            "pairs": len(d),
-        }
-    return out
-
-
-def summarize(markouts_by_product: Mapping[str, pa.Table]) -> dict:
-    """{product: {...}, "total": {...}}, each {"count", "mean_bps": {key: bps}, "se_bps":
-    {key: standard error of that mean}, "hit_rate": {key: fraction of trades with a
-    positive mark-out}}; over trades whose mark-out exists at that horizon (NaN when
-    none)."""
+def _keys(tables: Iterable[pa.Table]) -> list[str]:
     keys: list[str] = []
-    for table in markouts_by_product.values():
+    for table in tables:
         for name in table.column_names:
             if name.startswith("markout_") and name[len("markout_") :] not in keys:
                 keys.append(name[len("markout_") :])
-    summary = {product: _stats([table], keys) for product, table in markouts_by_product.items()}
-    summary["total"] = _stats(list(markouts_by_product.values()), keys)
+    return keys
+
+
+def _stats(tables: list[pa.Table], keys: list[str], fee_bps: float = 0.0) -> dict:
+    """A signal's mark-out per horizon with standard errors that hold under overlapping
+    horizons and same-side runs (tasks/uncertainty.py: HAC over horizon windows)."""
+    count = sum(t.num_rows for t in tables)
+    out: dict = {"count": int(count)}
+    fields = ("mean_bps", "se_bps", "se_iid_bps", "net_bps", "hit_rate", "hit_rate_se",
+              "windows", "n_eff", "insufficient")  # fmt: skip
+    for f in fields:
+        out[f] = {}
+    for key in keys:
+        column = f"markout_{key}"
+        width = uncertainty.window_seconds(key, tables)
+        est = uncertainty.mean(uncertainty.Sample.of(tables, column), width)
+        hits = uncertainty.mean(uncertainty.Sample.of(tables, column, hits=True), width)
+        out["mean_bps"][key] = est.estimate
+        out["se_bps"][key] = est.se
+        out["se_iid_bps"][key] = est.se_iid
+        out["net_bps"][key] = est.estimate - fee_bps
+        out["hit_rate"][key] = hits.estimate
+        out["hit_rate_se"][key] = hits.se
+        out["windows"][key] = est.windows
+        out["n_eff"][key] = est.n_eff
+        out["insufficient"][key] = est.insufficient
+    return out
+
+
+def paired_difference(
+    model: Mapping[str, pa.Table],
+    baseline: Mapping[str, pa.Table],
+    keys: list[str],
+    *,
+    alpha: float = 0.05,
+    trials: int = 1,
+) -> dict[str, dict]:
+    """Model minus baseline mean mark-out per horizon on the same held-out data, with the
+    paired HAC standard error (tasks/uncertainty.difference: both signals on one grid of
+    horizon windows, products pooled by time, so the market's moves cancel), its two-sided
+    p-value, the p-value adjusted over the horizons (Holm) and then for the trials made on
+    the same data (Sidak), and whether the difference survives both at `alpha`.
+    "insufficient" says why a horizon was not tested. Tables need `day` columns."""
+    m_tables = [model[p] for p in sorted(model)]
+    b_tables = [baseline[p] for p in sorted(baseline)]
+    out: dict[str, dict] = {}
+    for key in keys:
+        column = f"markout_{key}"
+        width = uncertainty.window_seconds(key, m_tables + b_tables)
+        est = uncertainty.difference(
+            uncertainty.Sample.of(m_tables, column), uncertainty.Sample.of(b_tables, column), width
+        )
+        out[key] = {
+            "mean_bps": est.estimate, "se_bps": est.se, "se_iid_bps": est.se_iid,
+            "statistic": est.statistic, "p_value": est.p_value, "windows": est.windows,
+            "n_eff": est.n_eff, "width_s": est.width_s, "insufficient": est.insufficient,
+        }  # fmt: skip
+    holm = uncertainty.holm({k: v["p_value"] for k, v in out.items()})
+    for key, row in out.items():
+        row["p_holm"] = holm[key]
+        row["p_adjusted"] = uncertainty.trials_adjusted(holm[key], trials)
+        row["trials"] = trials
+        row["significant"] = bool(row["p_adjusted"] < alpha)  # NaN compares False
+    return out
+
+
+def equal_counts(
+    model: Mapping[str, pa.Table], baseline: Mapping[str, pa.Table]
+) -> tuple[dict[str, pa.Table], dict[str, pa.Table]]:
+    """Both signals at the same out-of-sample trade count, per product: the more active
+    one keeps only its strongest trades (largest |signal|), as many as the other made.
+    Thresholds come from the training period, so out of sample the two rates drift apart;
+    compared as traded, a signal that trades less is judged on its more selective trades."""
+    m_out, b_out = {}, {}
+    for product in sorted(set(model) | set(baseline)):
+        m, b = model.get(product), baseline.get(product)
+        if m is None or b is None:
+            continue
+        k = min(m.num_rows, b.num_rows)
+
+        def strongest(t: pa.Table, k: int = k) -> pa.Table:
+            if t.num_rows == k:
+                return t
+            order = np.argsort(-np.abs(_column(t, "signal")), kind="stable")[:k]
+            return t.take(pa.array(np.sort(order)))
+
+        m_out[product], b_out[product] = strongest(m), strongest(b)
+    return m_out, b_out
+
+
+def summarize(markouts_by_product: Mapping[str, pa.Table], fee_bps: float = 0.0) -> dict:
+    """{product: {...}, "total": {...}}: each {"count", and per horizon key: "mean_bps",
+    "se_bps" (HAC, NaN when insufficient), "se_iid_bps", "net_bps" (after the fee),
+    "hit_rate" (fraction of trades with a positive mark-out) and "hit_rate_se",
+    "windows" (effective horizon windows), "n_eff", "insufficient" (why no SE, or "")};
+    over trades whose mark-out exists at that horizon (NaN when none)."""
+    keys = _keys(markouts_by_product.values())
+    summary = {p: _stats([t], keys, fee_bps) for p, t in markouts_by_product.items()}
+    summary["total"] = _stats(list(markouts_by_product.values()), keys, fee_bps)
     return summary
+
+
+def pnl(markouts_by_product: Mapping[str, pa.Table], cfg: SimConfig) -> dict:
+    """The signal's daily P&L (bps of one unit of notional per trade, net of fees) at
+    `cfg.pnl_key()` over all products, its total and the total's HAC standard error."""
+    tables = [t for t in markouts_by_product.values() if t.num_rows]
+    key = cfg.pnl_key()
+    if not tables or f"net_{key}" not in tables[0].column_names:
+        return {"horizon": key, "days": {}, "total_bps": 0.0, "se_bps": math.nan}
+    daily = daily_pnl(pa.concat_tables(tables), cfg)
+    est = uncertainty.mean(
+        uncertainty.Sample.of(tables, f"net_{key}"), uncertainty.window_seconds(key, tables)
+    )
+    n = len(uncertainty.Sample.of(tables, f"net_{key}"))
+    return {
+        "horizon": key,
+        "days": dict(zip(daily["day"].to_pylist(), daily["pnl_bps"].to_pylist(), strict=True)),
+        "total_bps": float(pc.sum(daily["pnl_bps"]).as_py() or 0.0),
+        "se_bps": n * est.se,  # the total is n times the mean
+        "insufficient": est.insufficient,
+    }
 
 
 BASELINE_SCALE_BPS = 10.0  # a typical half-spread: turns imbalance in [-1, 1] into bps

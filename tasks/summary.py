@@ -32,6 +32,32 @@ class ResearchSummary(BaseModel):
     )
     markout_bps: dict[str, float] = Field(description="Model mark-out by horizon, all products.")
     baseline_markout_bps: dict[str, float]
+    markout_se_bps: dict[str, float] = Field(
+        default_factory=dict,
+        description="HAC standard error of markout_bps (overlapping horizons, same-side runs: "
+        "tasks/uncertainty.py); NaN where the horizon has too few independent windows.",
+    )
+    baseline_markout_se_bps: dict[str, float] = Field(default_factory=dict)
+    insufficient: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per horizon, why no standard error was given ('' where one was).",
+    )
+    paired_bps: dict[str, dict] = Field(
+        default_factory=dict,
+        description="Model minus baseline on the same held-out data per horizon: mean_bps, "
+        "se_bps (paired HAC), p_value, p_holm (over horizons), p_adjusted (also over trials), "
+        "significant (p_adjusted < 0.05), windows, n_eff, insufficient.",
+    )
+    paired_equal_count_bps: dict[str, dict] = Field(
+        default_factory=dict,
+        description="The same with both signals at one out-of-sample trade count (the more "
+        "active one keeps its strongest trades).",
+    )
+    pnl: dict[str, dict] = Field(
+        default_factory=dict,
+        description="Per signal: daily P&L net of fees (bps of one unit per trade) at the "
+        "P&L horizon, its total and the total's HAC standard error.",
+    )
     hit_rate: dict[str, float]
     baseline_hit_rate: dict[str, float]
     trades: int
@@ -128,17 +154,99 @@ def _columns(lead: list[str], horizons: list[str]) -> tuple[list[str], list[bool
     return columns, [False] * len(lead) + [True] * (len(columns) - len(lead))
 
 
+def _se(se: float) -> str:
+    """An SE cell: 'n/a' where the horizon had too few independent windows for one."""
+    return "n/a" if math.isnan(se) else f"{se:.2f}"
+
+
+def _with_se(mean: float, se: float) -> str:
+    """'-1.69 ± 0.12'; '-1.69 (n/a)' where the horizon had too few independent windows."""
+    if math.isnan(mean):
+        return "nan"
+    return f"{mean:+.2f} ± {se:.2f}" if not math.isnan(se) else f"{mean:+.2f} (n/a)"
+
+
 def markout_table(summary: ResearchSummary) -> TextTable:
-    """Mark-out (bps) of the model and the baseline per horizon, with trade counts and
-    the hit rate at the first horizon: the result of a run, in one table."""
+    """Mark-out (bps) of the model and the baseline per horizon, each mean ± its HAC
+    standard error on the row below it, the model-minus-baseline difference on the same
+    data (paired; '*' where it survives the Holm and trials adjustment at 5%; 'n/a' where
+    too few independent windows gave no SE), trade counts and the hit rate
+    at the first horizon: the result of a run, in one table. A summary without standard
+    errors (an older run's) shows the means alone."""
     horizons = list(summary.markout_bps)
-    rows = _markout_rows(horizons, [
-        (["model"], summary.trades, summary.markout_bps, summary.hit_rate),
-        (["baseline"], summary.baseline_trades, summary.baseline_markout_bps,
-         summary.baseline_hit_rate),
-    ])  # fmt: skip
+    if not summary.markout_se_bps:
+        rows = _markout_rows(horizons, [
+            (["model"], summary.trades, summary.markout_bps, summary.hit_rate),
+            (["baseline"], summary.baseline_trades, summary.baseline_markout_bps,
+             summary.baseline_hit_rate),
+        ])  # fmt: skip
+        columns, numeric = _columns(["signal"], horizons)
+        return TextTable("Mark-out on held-out data (bps)", columns, rows, numeric)
+
+    def se_cells(ses: dict) -> list[str]:
+        return [_se(ses.get(h, math.nan)) for h in horizons]
+
+    def means(curve: dict) -> list[str]:
+        return [_bps(curve.get(h, math.nan)) for h in horizons]
+
+    def hit(hits: dict) -> str:
+        return f"{hits.get(horizons[0], math.nan):.1%}" if horizons else "nan"
+
+    paired = [summary.paired_bps.get(h, {}) for h in horizons]
+    rows = [
+        ["model", f"{summary.trades:,}", *means(summary.markout_bps), hit(summary.hit_rate)],
+        ["  ± SE", "", *se_cells(summary.markout_se_bps), ""],
+        ["baseline", f"{summary.baseline_trades:,}", *means(summary.baseline_markout_bps),
+         hit(summary.baseline_hit_rate)],
+        ["  ± SE", "", *se_cells(summary.baseline_markout_se_bps), ""],
+        ["diff", "", *(_bps(d.get("mean_bps", math.nan))
+                               + ("*" if d.get("significant") else "") for d in paired), ""],
+        ["  ± SE", "", *(_se(d.get("se_bps", math.nan)) for d in paired), ""],
+    ]  # fmt: skip
     columns, numeric = _columns(["signal"], horizons)
-    return TextTable("Mark-out on held-out data (bps)", columns, rows, numeric)
+    return TextTable(
+        "Mark-out on held-out data (bps; ± HAC SE; diff = model - baseline)", columns, rows, numeric
+    )
+
+
+def validity_notes(summary: ResearchSummary) -> list[str]:
+    """What the table's numbers rest on, in sentences: untested horizons, the adjustment,
+    the trade counts, the P&L."""
+    notes = []
+    untested = [h for h, why in summary.insufficient.items() if why]
+    if untested:
+        notes.append(
+            "n/a: too few independent horizon windows for a standard error at "
+            + ", ".join(untested)
+            + " ("
+            + summary.insufficient[untested[0]]
+            + ")"
+        )
+    if summary.paired_bps:
+        first = next(iter(summary.paired_bps.values()))
+        survived = [h for h, d in summary.paired_bps.items() if d.get("significant")]
+        notes.append(
+            f"model - baseline: paired on the same trades' windows; '*' = p < 0.05 after Holm "
+            f"over {len(summary.paired_bps)} horizons and {first.get('trials', 1)} trial(s) on "
+            f"this data: {', '.join(survived) if survived else 'none'}"
+        )
+    if summary.trades != summary.baseline_trades:
+        equal = summary.paired_equal_count_bps
+        h = next(iter(summary.markout_bps), None)
+        eq = equal.get(h) if h else None
+        notes.append(
+            f"trade counts differ out of sample ({summary.trades:,} vs "
+            f"{summary.baseline_trades:,}); at an equal count"
+            + (f" the {h} difference is {_with_se(eq['mean_bps'], eq['se_bps'])} bps"
+               if eq else "") + " (summary: paired_equal_count_bps)"
+        )  # fmt: skip
+    for name, p in summary.pnl.items():
+        if p.get("days"):
+            notes.append(
+                f"{name} P&L net of fees at {p['horizon']}: {_with_se(p['total_bps'], p['se_bps'])}"
+                f" bps over {len(p['days'])} day(s)"
+            )
+    return notes
 
 
 def site_table(summary: ResearchSummary) -> TextTable:

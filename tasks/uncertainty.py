@@ -45,7 +45,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
-from scipy import stats as _stats
 
 MIN_WINDOWS = 30  # fewer effective horizon windows than this: "insufficient data"
 MIN_BANDWIDTH = 4  # Bartlett bandwidth floor, in windows (lag 1 keeps weight 3/4)
@@ -78,7 +77,9 @@ class Estimate:
         """One-sided p-value of H0: mean <= margin against H1: mean > margin."""
         if not self.tested:
             return math.nan
-        return float(_stats.t.sf((self.estimate - margin) / self.se, self.df))
+        from scipy import stats
+
+        return float(stats.t.sf((self.estimate - margin) / self.se, self.df))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -118,7 +119,10 @@ class Sample:
         v = np.concatenate([col(t, column).astype(np.float64) for t in parts])
         if hits:
             v = np.where(np.isfinite(v), (v > 0).astype(np.float64), np.nan)
-        when = [col(t, "fill_time" if "fill_time" in t.column_names else "time") for t in parts]
+        # without times every trade is in one window: no standard error, insufficient data
+        when = [col(t, "fill_time") if "fill_time" in t.column_names else
+                col(t, "time") if "time" in t.column_names else np.zeros(t.num_rows)
+                for t in parts]  # fmt: skip
         days = [col(t, "day") if "day" in t.column_names else np.zeros(t.num_rows) for t in parts]
         return Sample(v, np.concatenate(when).astype(np.float64), np.concatenate(days))
 
@@ -152,7 +156,11 @@ def long_run_variance(z: np.ndarray, min_bandwidth: float = MIN_BANDWIDTH) -> tu
     z = np.asarray(z, np.float64)
     if len(z) < 2 or not np.any(z):
         return float(np.sum(z * z)), 0.0
-    bandwidth = max(float(Bartlett(z, center=False).bandwidth), float(min_bandwidth))
+    try:
+        automatic = float(Bartlett(z, center=False).bandwidth)
+    except ZeroDivisionError:  # the plug-in's pilot spectrum at 0 is 0: one window traded
+        automatic = 0.0
+    bandwidth = max(automatic if math.isfinite(automatic) else 0.0, float(min_bandwidth))
     bandwidth = min(bandwidth, float(len(z) - 1))
     lrv = Bartlett(z, bandwidth=bandwidth, center=False).cov.long_run
     return float(len(z) * np.asarray(lrv).item()), bandwidth
@@ -198,9 +206,11 @@ def _result(
     if se == 0.0:
         return Estimate(se=0.0, n_eff=math.inf, statistic=math.nan, df=df, p_value=math.nan,
                         insufficient="no variation", **common)  # fmt: skip
+    from scipy import stats  # scipy.stats costs ~0.3 s to import: not for a no-op run
+
     t = estimate / se
     return Estimate(se=se, n_eff=n_iid * (se_iid / se) ** 2 if se_iid == se_iid else math.nan,
-                    statistic=t, df=df, p_value=float(2 * _stats.t.sf(abs(t), df)),
+                    statistic=t, df=df, p_value=float(2 * stats.t.sf(abs(t), df)),
                     **common)  # fmt: skip
 
 

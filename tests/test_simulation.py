@@ -177,22 +177,36 @@ def markouts(times, values, day="2026-03-02") -> pa.Table:
                      "day": pa.array([day] * len(times))})  # fmt: skip
 
 
-def test_standard_errors_and_the_paired_difference_by_hand():
+def test_too_few_windows_is_insufficient_data_not_a_small_standard_error():
     from quantloop.tasks.simulation import paired_difference
 
     s = summarize({"A": markouts([1, 2, 3, 4], [1.0, 3.0, 5.0, float("nan")])})
-    assert s["A"]["se_bps"]["5s"] == pytest.approx(np.std([1, 3, 5], ddof=1) / math.sqrt(3))
-    # Buckets of 300 s of one day pair up; the model's trades at 301 s and the baseline's
-    # at 599 s share a bucket, the model's lone trade at 900 s has no partner.
-    model = {"A": markouts([10, 20, 301, 900], [2.0, 4.0, 1.0, 50.0])}
-    base = {"A": markouts([15, 599], [1.0, 3.0]), "B": markouts([5], [9.0])}
-    [(key, d)] = paired_difference(model, base, ["5s"]).items()
-    diffs = [3.0 - 1.0, 1.0 - 3.0]  # bucket 0: mean(2, 4) - 1; bucket 1: 1 - 3
-    assert d == {"mean_bps": pytest.approx(np.mean(diffs)), "pairs": 2,
-                 "se_bps": pytest.approx(np.std(diffs, ddof=1) / math.sqrt(2))}  # fmt: skip
-    # another day is another bucket, not a pair
-    other_day = {"A": markouts([15], [1.0], day="2026-03-03")}
-    assert paired_difference(model, other_day, ["5s"])["5s"]["pairs"] == 0
+    assert s["A"]["mean_bps"]["5s"] == pytest.approx(3.0)
+    assert s["A"]["se_iid_bps"]["5s"] == pytest.approx(np.std([1, 3, 5], ddof=1) / math.sqrt(3))
+    assert math.isnan(s["A"]["se_bps"]["5s"])
+    assert s["A"]["insufficient"]["5s"].startswith("insufficient data: 1.0 effective 10 s")
+    d = paired_difference({"A": markouts([10, 20], [2.0, 4.0])}, {"A": markouts([15], [1.0])},
+                          ["5s"])["5s"]  # fmt: skip
+    assert d["mean_bps"] == pytest.approx(2.0) and math.isnan(d["se_bps"])
+    assert d["significant"] is False and d["insufficient"]
+
+
+def test_paired_difference_takes_out_the_moves_both_signals_share():
+    """Both signals trade the same minutes, each mark-out a shared market move plus its
+    own noise, the model 0.5 bps better: the paired SE is the noise's, far under the two
+    means' own SEs, and the difference is found."""
+    from quantloop.tasks.simulation import paired_difference
+
+    rng = np.random.default_rng(3)
+    t = np.arange(2_000) * 12.0 + 34_200  # a trade every 12 s: 2,000 windows of 10 s
+    market = rng.normal(0, 5.0, len(t))
+    model = markouts(t, market + 0.5 + rng.normal(0, 1.0, len(t)))
+    base = markouts(t + 1.0, market + rng.normal(0, 1.0, len(t)))
+    d = paired_difference({"A": model}, {"A": base}, ["5s"])["5s"]
+    alone = summarize({"A": model})["A"]["se_bps"]["5s"]
+    assert d["mean_bps"] == pytest.approx(0.5, abs=0.1)
+    assert d["se_bps"] == pytest.approx(math.sqrt(2 / len(t)), rel=0.2)
+    assert alone > 3 * d["se_bps"] and d["significant"] and d["p_holm"] < 1e-6
 
 
 def test_markout_plot_keeps_clock_and_event_horizons_apart():
