@@ -451,3 +451,32 @@ def test_the_form_bounds_the_new_fields():
                                                      ("fee_bps",)}  # fmt: skip
     with pytest.raises(ValidationError, match="pnl_horizon"):
         adapter.validate_python({"pnl_horizon": "7s"})
+
+
+def test_equal_counts_keeps_the_strongest_trades_of_the_more_active_signal():
+    from quantloop.tasks.simulation import equal_counts
+
+    busy = markouts([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0]).append_column(
+        "signal", pa.array([0.5, -3.0, 1.0, 2.0])
+    )
+    quiet = markouts([5, 6], [9.0, 9.0]).append_column("signal", pa.array([1.0, -1.0]))
+    m, b = equal_counts({"A": busy}, {"A": quiet})
+    assert b["A"] is quiet
+    assert m["A"]["signal"].to_pylist() == [-3.0, 2.0]  # |signal| 3 and 2, in time order
+    assert m["A"]["time"].to_pylist() == [2.0, 4.0]
+
+
+def test_pnl_sums_net_markouts_per_day_with_the_totals_se():
+    from quantloop.tasks.simulation import pnl
+
+    cfg = SimConfig(fee_bps=0.5, pnl_horizon="5s")
+    day1 = markouts([1.0, 2.0], [1.0, 3.0], day="2026-03-02")
+    day2 = markouts([1.0], [-2.0], day="2026-03-03")
+    tables = {}
+    for name, t in (("A", day1), ("B", day2)):
+        v = t["markout_5s"].to_numpy()
+        tables[name] = t.append_column("net_5s", pa.array(v - cfg.fee_bps))
+    out = pnl(tables, cfg)
+    assert out["days"] == {"2026-03-02": pytest.approx(3.0), "2026-03-03": pytest.approx(-2.5)}
+    assert out["total_bps"] == pytest.approx(0.5)
+    assert out["horizon"] == "5s" and math.isnan(out["se_bps"]) and out["insufficient"]
