@@ -47,6 +47,7 @@ from bench.checkout import use_checkout  # noqa: E402
 use_checkout()
 
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 from scipy.signal import lfilter  # noqa: E402
 
 from quantloop.tasks import uncertainty  # noqa: E402
@@ -113,25 +114,29 @@ def ar_noise(rng: np.random.Generator, n: int, phi: float) -> np.ndarray:
 
 
 def strategy_signals(rng: np.random.Generator, features: pa.Table) -> dict[str, np.ndarray]:
+    """The baseline, and each no-edge strategy twice, independently ("<name>" and
+    "<name>/b"): the second is the first's null partner."""
     n = features.num_rows
-    signals = {"baseline": baseline_signal(features), "random_sign": rng.standard_normal(n)}
-    for phi in (0.99, 0.999, 0.9999):
-        signals[f"ar_{phi:g}"] = ar_noise(rng, n, phi)
-    signals["champion_noise"] = ar_noise(rng, n, 0.999)  # the gate's null pair
+    signals = {"baseline": baseline_signal(features)}
+    for copy in ("", "/b"):
+        signals["random_sign" + copy] = rng.standard_normal(n)
+        for phi in (0.99, 0.999, 0.9999):
+            signals[f"ar_{phi:g}{copy}"] = ar_noise(rng, n, phi)
     return signals
 
 
-def replay(seed: int, signal: float) -> dict[str, pa.Table]:
-    """Mark-out tables by strategy over the two replayed days."""
+def replay(seed: int, signal: float, n_days: int = len(DAYS)) -> dict[str, pa.Table]:
+    """Mark-out tables by strategy over the replayed days (all but the first)."""
     rng = np.random.default_rng([seed, int(signal * 1000), 7])
     cfg = SyntheticConfig(seed=seed, signal=signal, levels=5)
-    days = [compute_features(generate_day("SYN", d, cfg), FeatureParams()) for d in DAYS]
+    dates = business_days(DAYS[0], n_days)
+    days = [compute_features(generate_day("SYN", d, cfg), FeatureParams()) for d in dates]
     per_day = [strategy_signals(rng, f) for f in days]
     out = {}
     for name in per_day[0]:
         threshold = thresholds_from(per_day[0][name], CONFIG)
         parts = []
-        for date, f, sigs in zip(DAYS[1:], days[1:], per_day[1:], strict=True):
+        for date, f, sigs in zip(dates[1:], days[1:], per_day[1:], strict=True):
             marked = markout(simulate(f, sigs[name], threshold, CONFIG), f, CONFIG)
             day = pa.array([date.isoformat()] * marked.num_rows, pa.string())
             parts.append(marked.append_column("day", day))
@@ -143,7 +148,8 @@ def measure(seed: int, signal: float) -> dict:
     """Per strategy and horizon: old and new estimates of the mean and of the paired
     difference against the baseline; the gate's decisions."""
     tables = replay(seed, signal)
-    rec: dict = {"seed": seed, "signal": signal, "mean": {}, "paired": {}, "gate": {}}
+    rec: dict = {"seed": seed, "signal": signal, "mean": {}, "paired": {}, "null_pair": {},
+                 "gate": {}}  # fmt: skip
     base = tables["baseline"]
     for name in ["baseline", *NULL_STRATEGIES]:
         t = tables[name]
@@ -155,23 +161,26 @@ def measure(seed: int, signal: float) -> dict:
             new = uncertainty.mean(Sample.of([t], col), width)
             rec["mean"][f"{name}|{key}"] = {
                 "est": float(v.mean()) if len(v) else math.nan, "old_se": old_se(v),
-                "new_se": new.se, "tested": new.tested, "windows": new.windows,
+                "new_se": new.se, "tested": new.tested, "windows": new.windows, "df": new.df,
             }  # fmt: skip
             if name == "baseline":
                 continue
-            om, ose = old_paired(t, base, key)
-            d = uncertainty.difference(Sample.of([t], col), Sample.of([base], col), width)
-            rec["paired"][f"{name}|{key}"] = {
-                "old_est": om, "old_se": ose, "new_est": d.estimate, "new_se": d.se,
-                "tested": d.tested, "p": d.p_value, "p_greater": d.p_greater(),
-                "windows": d.windows, "n_eff": d.n_eff,
-            }  # fmt: skip
+            for against, other in (("baseline", base), ("copy", tables[f"{name}/b"])):
+                om, ose = old_paired(t, other, key)
+                d = uncertainty.difference(Sample.of([t], col), Sample.of([other], col), width)
+                rec["paired" if against == "baseline" else "null_pair"][f"{name}|{key}"] = {
+                    "old_est": om, "old_se": ose, "new_est": d.estimate, "new_se": d.se,
+                    "tested": d.tested, "p": d.p_value,
+                    # H1: the baseline beats this strategy (the power table's test)
+                    "p_less": 1.0 - d.p_greater() if d.tested else math.nan,
+                    "windows": d.windows, "n_eff": d.n_eff, "df": d.df,
+                }  # fmt: skip
     for key in HORIZONS:
         col = f"markout_{key}"
-        width = uncertainty.window_seconds(key, [tables["ar_0.999"], tables["champion_noise"]])
+        width = uncertainty.window_seconds(key, [tables["ar_0.999"], tables["ar_0.999/b"]])
         for pair, (cand, champ) in {
-            "null": ("ar_0.999", "champion_noise"),
-            "planted": ("baseline", "champion_noise"),
+            "null": ("ar_0.999", "ar_0.999/b"),
+            "planted": ("baseline", "ar_0.999/b"),
         }.items():
             g = paired_gate(Sample.of([tables[cand]], col), Sample.of([tables[champ]], col),
                             width, GateConfig(horizon=key))  # fmt: skip
@@ -187,40 +196,55 @@ def _job(args: tuple[int, float]) -> dict:
 
 
 def _ratio(estimates: list[float], ses: list[float]) -> float:
+    """The true spread of the estimate over replications against the reported SE, taken
+    as the root mean square SE (a calibrated SE has E[se^2] = Var(estimate); the plain
+    mean of SEs that vary with each replication's trade count would understate it)."""
     e = np.asarray(estimates, np.float64)
     s = np.asarray(ses, np.float64)
     ok = np.isfinite(e) & np.isfinite(s)
     if ok.sum() < 10:
         return math.nan
-    return float(e[ok].std(ddof=1) / s[ok].mean())
+    return float(e[ok].std(ddof=1) / math.sqrt(np.mean(s[ok] ** 2)))
+
+
+def _pair_rows(rows: list[dict]) -> dict:
+    from scipy import stats
+
+    old_ok = [r for r in rows if math.isfinite(r["old_se"]) and r["old_se"] > 0]
+    tested = [r for r in rows if r["tested"]]
+    diffs = np.asarray([r["new_est"] for r in rows], np.float64)
+    diffs = diffs[np.isfinite(diffs)]
+    centre = float(diffs.mean()) if len(diffs) else math.nan
+    return {
+        # insufficient data counts as no rejection (old: fewer than two pairs)
+        "reject_rate_old": float(np.mean([bool(r in old_ok and abs(r["old_est"] / r["old_se"])
+                                               > Z) for r in rows])),
+        "reject_rate_new": float(np.mean([r["tested"] and r["p"] < 0.05 for r in rows])),
+        # against the Monte Carlo mean instead of 0: the test's size where H0 is not exact
+        "reject_rate_centered_new": float(np.mean([
+            r["tested"] and abs(r["new_est"] - centre) / r["new_se"]
+            > stats.t.ppf(0.975, r["df"]) for r in rows])),
+        "se_ratio_old": _ratio([r["old_est"] for r in old_ok], [r["old_se"] for r in old_ok]),
+        "se_ratio_new": _ratio([r["new_est"] for r in tested], [r["new_se"] for r in tested]),
+        "tested_fraction": len(tested) / len(rows),
+        "mean_windows": float(np.nanmean([r["windows"] for r in rows])),
+        "mc_mean_diff_bps": centre,
+        "mc_se_diff_bps": float(diffs.std(ddof=1) / math.sqrt(len(diffs)))
+        if len(diffs) > 1 else math.nan,
+    }  # fmt: skip
 
 
 def aggregate_null(recs: list[dict]) -> dict:
-    out: dict = {"paired": {}, "mean": {}}
-    for name in NULL_STRATEGIES:
-        for key in HORIZONS:
-            rows = [r["paired"][f"{name}|{key}"] for r in recs]
-            old_ok = [r for r in rows if math.isfinite(r["old_se"]) and r["old_se"] > 0]
-            new_est = [r["new_est"] for r in rows if r["tested"]]
-            new_se = [r["new_se"] for r in rows if r["tested"]]
-            diffs = np.asarray([r["new_est"] for r in rows], np.float64)
-            diffs = diffs[np.isfinite(diffs)]
-            out["paired"][f"{name}|{key}"] = {
-                "strategy": name, "horizon": key,
-                "reject_rate_old": float(np.mean([abs(r["old_est"] / r["old_se"]) > Z
-                                                  for r in old_ok])) if old_ok else math.nan,
-                "reject_rate_new": float(np.mean([r["tested"] and r["p"] < 0.05
-                                                  for r in rows])),
-                "se_ratio_old": _ratio([r["old_est"] for r in old_ok],
-                                       [r["old_se"] for r in old_ok]),
-                "se_ratio_new": _ratio(new_est, new_se),
-                "tested_fraction": float(np.mean([r["tested"] for r in rows])),
-                "mean_windows": float(np.nanmean([r["windows"] for r in rows])),
-                # is the null exactly true? the Monte Carlo mean of the difference
-                "mc_mean_diff_bps": float(diffs.mean()) if len(diffs) else math.nan,
-                "mc_se_diff_bps": float(diffs.std(ddof=1) / math.sqrt(len(diffs)))
-                if len(diffs) > 1 else math.nan,
-            }  # fmt: skip
+    """Per strategy and horizon. null_pair: against an independent no-edge strategy of the
+    same persistence (H0 true by construction); paired: against the baseline (as traded;
+    the Monte Carlo mean says whether H0 holds there); mean: one signal's mean."""
+    out: dict = {"null_pair": {}, "paired": {}, "mean": {}}
+    for group in ("null_pair", "paired"):
+        for name in NULL_STRATEGIES:
+            for key in HORIZONS:
+                rows = [r[group][f"{name}|{key}"] for r in recs]
+                out[group][f"{name}|{key}"] = {"strategy": name, "horizon": key,
+                                               **_pair_rows(rows)}  # fmt: skip
     for name in ["baseline", *NULL_STRATEGIES]:
         for key in HORIZONS:
             rows = [r["mean"][f"{name}|{key}"] for r in recs]
@@ -237,11 +261,45 @@ def aggregate_null(recs: list[dict]) -> dict:
 
 
 def aggregate_power(recs: list[dict]) -> dict:
+    """Per horizon: how often the one-sided 5% paired test finds that the imbalance beats
+    AR(0.99) noise (untested counts as not found)."""
     return {
-        key: float(np.mean([r["paired"][f"{key}"]["tested"]
-                            and r["paired"][f"{key}"]["p_greater"] < 0.05 for r in recs]))
-        for key in [f"ar_0.99|{h}" for h in HORIZONS]
+        h: float(np.mean([r["paired"][f"ar_0.99|{h}"]["tested"]
+                          and r["paired"][f"ar_0.99|{h}"]["p_less"] < 0.05 for r in recs]))
+        for h in HORIZONS
     }  # fmt: skip
+
+
+DAY_STRATEGIES = ("random_sign", "ar_0.99")
+
+
+def measure_days(seed: int, n_days: int) -> dict:
+    """One market replayed on n_days - 1 days: the paired test against the baseline over
+    all of them (day clusters in the SE from uncertainty.MIN_DAYS days) and over the first
+    two only (the default research run's test days)."""
+    tables = replay(20_000 + seed, 0.0, n_days)
+    rec = {}
+    for name in DAY_STRATEGIES:
+        for key in HORIZONS:
+            col = f"markout_{key}"
+            for span, keep in (("all", None), ("two", 2)):
+                pick = [tables[name], tables["baseline"]]
+                if keep is not None:
+                    first = sorted(set(tables["baseline"]["day"].to_pylist()))[:keep]
+                    pick = [t.filter(pc.is_in(t["day"], pa.array(first))) for t in pick]
+                width = uncertainty.window_seconds(key, pick)
+                d = uncertainty.difference(Sample.of([pick[0]], col), Sample.of([pick[1]], col),
+                                           width)  # fmt: skip
+                rec[f"{name}|{key}|{span}"] = {
+                    "old_est": math.nan, "old_se": math.nan, "new_est": d.estimate,
+                    "new_se": d.se, "tested": d.tested, "p": d.p_value, "df": d.df,
+                    "windows": d.windows,
+                }  # fmt: skip
+    return rec
+
+
+def _days_job(args: tuple[int, int]) -> dict:
+    return measure_days(*args)
 
 
 def gate_rate(recs: list[dict], pair: str) -> dict[str, float]:
@@ -258,28 +316,47 @@ def machine() -> str:
     )
 
 
+def _pair_table(rows: dict, title: str, note: str) -> list[str]:
+    lines = ["", f"## {title}", "", note, "",
+             "| strategy | horizon | reject old | reject new | reject new, centred | SE ratio old "
+             "| SE ratio new | tested | windows | MC mean diff (bps) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows.values():
+        lines.append(
+            f"| {r['strategy']} | {r['horizon']} | {r['reject_rate_old']:.1%} | "
+            f"{r['reject_rate_new']:.1%} | {r['reject_rate_centered_new']:.1%} | "
+            f"{r['se_ratio_old']:.2f} | {r['se_ratio_new']:.2f} | {r['tested_fraction']:.0%} | "
+            f"{r['mean_windows']:.0f} | {r['mc_mean_diff_bps']:+.3f} ± {r['mc_se_diff_bps']:.3f} |"
+        )
+    return lines
+
+
 def markdown(result: dict) -> str:
     lines = [
         "# Mark-out statistics: calibration (bench/validity.py)",
         "",
         f"Machine: {result['machine']}; {result['date']}; commit {result['commit']}; "
         f"{result['replications']} null replications, {result['power_replications']} per "
-        f"signal strength; {result['seconds']:.0f} s.",
+        f"signal strength, {result['days_replications']} of {result['days']} days; "
+        f"{result['seconds']:.0f} s.",
         "",
-        "## Null: paired test against the baseline, nominal 5% (`synthetic.signal` 0)",
-        "",
-        "| strategy | horizon | reject old | reject new | SE ratio old | SE ratio new "
-        "| tested | windows | MC mean diff (bps) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "Reject: the two-sided paired test at a nominal 5% (old: iid SE of 5-minute bucket "
+        "pairs, normal; new: tasks/uncertainty.py, t with the effective windows); insufficient "
+        "data counts as no rejection. SE ratio: the spread of the estimate over replications "
+        "/ the root mean square reported SE (1 = calibrated). Centred: the same test of H0: "
+        "the difference equals its Monte Carlo mean, for where H0: 0 is not exactly true.",
     ]
-    for r in result["null"]["paired"].values():
-        lines.append(
-            f"| {r['strategy']} | {r['horizon']} | {r['reject_rate_old']:.1%} | "
-            f"{r['reject_rate_new']:.1%} | {r['se_ratio_old']:.2f} | {r['se_ratio_new']:.2f} | "
-            f"{r['tested_fraction']:.0%} | {r['mean_windows']:.0f} | "
-            f"{r['mc_mean_diff_bps']:+.3f} ± {r['mc_se_diff_bps']:.3f} |"
-        )
-    lines += ["", "## Null: SE ratio of one signal's mean mark-out (true spread / mean SE)", "",
+    lines += _pair_table(result["null"]["null_pair"],
+                         "Null pairs: each strategy against an independent copy of itself",
+                         "`synthetic.signal` 0 and two independent no-edge signals of the same "
+                         "persistence on the same days: H0 holds by construction.")  # fmt: skip
+    lines += _pair_table(result["null"]["paired"],
+                         "Against the baseline (top-of-book imbalance)",
+                         "`synthetic.signal` 0: nothing predicts the mid, but the imbalance's "
+                         "extremes come with wider spreads, so it pays more spread than a "
+                         "random pick: the MC mean says where H0: 0 is false (short horizons), "
+                         "and the centred column gives the test's size there.")  # fmt: skip
+    lines += ["", "## One signal's mean mark-out: SE ratio, old → new", "",
               "| strategy | " + " | ".join(HORIZONS) + " |",
               "|---|" + "---:|" * len(HORIZONS)]  # fmt: skip
     for name in ["baseline", *NULL_STRATEGIES]:
@@ -288,19 +365,39 @@ def markdown(result: dict) -> str:
             r = result["null"]["mean"][f"{name}|{h}"]
             cells.append(f"{r['se_ratio_old']:.2f} → {r['se_ratio_new']:.2f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "## Power: one-sided paired test, imbalance beats AR(0.99) noise, 5%", "",
-              "| signal | " + " | ".join(HORIZONS) + " |", "|---|" + "---:|" * len(HORIZONS)]
+    lines += ["", f"## Day-to-day variation: {result['days'] - 1} replayed days against two",
+              "", "The paired test against the baseline on one market's days: over all of "
+              f"them (the SE takes day clusters from {uncertainty.MIN_DAYS} days) and over "
+              "the first two (no day clusters).", "",
+              "| strategy | horizon | SE ratio, all days | centred reject, all days "
+              "| SE ratio, two days | centred reject, two days |",
+              "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in result["days_check"].values():
+        lines.append(f"| {r['strategy']} | {r['horizon']} | {r['all']['se_ratio_new']:.2f} | "
+                     f"{r['all']['reject_rate_centered_new']:.1%} | "
+                     f"{r['two']['se_ratio_new']:.2f} | "
+                     f"{r['two']['reject_rate_centered_new']:.1%} |")  # fmt: skip
+    lines += [
+        "",
+        "## Power: one-sided paired test, imbalance beats AR(0.99) noise, 5%",
+        "",
+        "| signal | " + " | ".join(HORIZONS) + " |",
+        "|---|" + "---:|" * len(HORIZONS),
+    ]
     for s, row in result["power"].items():
-        lines.append(f"| {s} | " + " | ".join(f"{row[f'ar_0.99|{h}']:.0%}" for h in HORIZONS)
-                     + " |")  # fmt: skip
-    lines += ["", f"## Gate (one-sided, alpha {GATE.alpha}, min improvement "
-              f"{GATE.min_improvement_bps} bps)", "",
+        lines.append(f"| {s} | " + " | ".join(f"{row[h]:.0%}" for h in HORIZONS) + " |")
+    lines += ["", f"## Gate (tasks/gate.py: one-sided, alpha {GATE.alpha}, min improvement "
+              f"{GATE.min_improvement_bps} bps, at each horizon)", "",
               "| pairs | " + " | ".join(HORIZONS) + " |", "|---|" + "---:|" * len(HORIZONS),
-              "| null: false promotion | " + " | ".join(
-                  f"{result['false_promotion_rate'][h]:.1%}" for h in HORIZONS) + " |"]
+              f"| null pairs (AR 0.999 vs AR 0.999), {result['replications']}: false promotion | "
+              + " | ".join(f"{result['false_promotion_rate'][h]:.1%}" for h in HORIZONS)
+              + " |"]  # fmt: skip
     for s, row in result["gate_planted"].items():
-        lines.append(f"| planted edge {s}: promotion | "
-                     + " | ".join(f"{row[h]:.0%}" for h in HORIZONS) + " |")
+        lines.append(
+            f"| imbalance at signal {s} vs AR 0.999: promotion | "
+            + " | ".join(f"{row[h]:.0%}" for h in HORIZONS)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -308,6 +405,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replications", type=int, default=500)
     parser.add_argument("--power-replications", type=int, default=200)
+    parser.add_argument("--days-replications", type=int, default=150)
+    parser.add_argument("--days", type=int, default=13, help="days of the day-to-day check")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -317,15 +416,25 @@ def main() -> None:
     ]
     with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
         recs = pool.map(_job, jobs, chunksize=4)
+        by_days = pool.map(_days_job, [(s, args.days) for s in range(args.days_replications)])
     null = [r for r in recs if r["signal"] == 0.0]
+    days_check = {
+        f"{name}|{h}": {"strategy": name, "horizon": h, **{
+            span: _pair_rows([r[f"{name}|{h}|{span}"] for r in by_days])
+            for span in ("all", "two")}}
+        for name in DAY_STRATEGIES for h in HORIZONS
+    } if by_days else {}  # fmt: skip
     result = {
         "machine": machine(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": git_commit(short=True),
         "replications": len(null),
         "power_replications": args.power_replications,
+        "days_replications": args.days_replications,
+        "days": args.days,
+        "days_check": days_check,
         "method": uncertainty.__doc__.split("\n\n")[2].replace("\n", " "),
-        "settings": {"min_windows": uncertainty.MIN_WINDOWS,
+        "settings": {"min_windows": uncertainty.MIN_WINDOWS, "min_days": uncertainty.MIN_DAYS,
                      "min_bandwidth": uncertainty.MIN_BANDWIDTH,
                      "min_window_s": uncertainty.MIN_WINDOW_S, "sim": str(CONFIG)},
         "null": aggregate_null(null),

@@ -7,19 +7,18 @@ generator with a persistent no-edge signal: 1.5x at 1 s, 5.7x at 300 s; the pair
 then called noise significant in 12-25% of replications at a nominal 5%).
 
 Method: a HAC (heteroskedasticity and autocorrelation consistent) variance of the mean
-on a clock-time grid. Each day is cut into windows at least one horizon long; the mean's
-influence function, (x_i - mean) / n, is summed per window, which gives a regular time
-series z_c (zero where no trade fell), and the variance of the mean is the long-run
-variance of that series, sum_l w_l * sum_c z_c z_{c-l}, with Bartlett weights
-w_l = 1 - l / H (Newey and West, 1987, "A simple, positive semi-definite,
-heteroskedasticity and autocorrelation consistent covariance matrix", Econometrica 55).
-The bandwidth H is Newey and West's (1994) automatic plug-in ("Automatic lag selection
-in covariance matrix estimation", RES 61) as `arch` computes it (Kevin Sheppard's
-`arch.covariance.kernel.Bartlett`), but at least MIN_BANDWIDTH windows: a mark-out
-overlaps at most the next window (the window is at least one horizon long), and with
-H = 4 that lag keeps 3/4 of its weight (for densely overlapping same-side trades the
-variance is then 11/12 of the truth: an SE 4% low, against 18% low for a plain cluster
-SE over the same windows).
+on a clock-time grid. Each day is cut into windows at least one horizon long (and at
+least MIN_WINDOW_S); the mean's influence function, (x_i - mean) / n, is summed per
+window, which gives a regular time series z_c (zero where no trade fell), and the
+variance of the mean is a long-run variance of that series (`long_run_variance`): the
+larger of the truncated kernel at lag 1 (Hansen and Hodrick, 1980), exact for
+dependence that stops at the overlap, and Bartlett's kernel (Newey and West, 1987,
+"A simple, positive semi-definite, heteroskedasticity and autocorrelation consistent
+covariance matrix", Econometrica 55) with Newey and West's (1994) automatic bandwidth
+("Automatic lag selection in covariance matrix estimation", RES 61), as Kevin Sheppard's
+`arch.covariance.kernel.Bartlett` computes it, for slower dependence (the spread paid).
+With MIN_DAYS days or more, the cluster-by-day variance is taken where it is larger: a
+level that moves from day to day is invisible within days.
 
 Why a grid in clock time rather than a lag in trades: trades are irregular, and what
 correlates two mark-outs is how much of their horizon they share in time; under no edge
@@ -34,7 +33,8 @@ horizon whose trades fill fewer than MIN_WINDOWS is reported as insufficient dat
 no standard error: a HAC variance from a handful of windows looks precise and is not.
 `n_eff` is the design-effect sample, n * (iid SE / HAC SE)^2: how many independent
 trades the mark-outs are worth. Tests use Student's t with windows - 1 degrees of
-freedom. The calibration of all this is measured, not assumed: bench/validity.py.
+freedom (days - 1 where the day clusters gave the SE). The calibration of all this is
+measured, not assumed: bench/validity.py, bench/results/validity.md.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import pyarrow as pa
 MIN_WINDOWS = 30  # fewer effective horizon windows than this: "insufficient data"
 MIN_BANDWIDTH = 4  # Bartlett bandwidth floor, in windows (lag 1 keeps weight 3/4)
 MIN_WINDOW_S = 10.0  # no window shorter than this: the spread's own persistence
+MIN_DAYS = 10  # from this many days on, the SE also holds a day-to-day level shift
 EVENT_SPAN_QUANTILE = 0.9  # an event horizon's window: this quantile of its elapsed seconds
 
 
@@ -62,6 +63,7 @@ class Estimate:
     n: int  # observations (trades; for a difference, both signals' together)
     n_eff: float  # n * (se_iid / se)^2: independent trades the sample is worth
     windows: float  # effective non-overlapping horizon windows (Kish)
+    days: int  # days the sample spans (>= MIN_DAYS: day-to-day variation is in the SE)
     bandwidth: float  # Bartlett bandwidth, in windows
     width_s: float  # window length, seconds
     statistic: float  # estimate / se (t); NaN when insufficient
@@ -148,9 +150,19 @@ def window_seconds(key: str, tables: Sequence[pa.Table] = ()) -> float:
 
 
 def long_run_variance(z: np.ndarray, min_bandwidth: float = MIN_BANDWIDTH) -> tuple[float, float]:
-    """Variance of sum(z) for a series z with mean zero: T * the Bartlett long-run
-    variance, bandwidth max(Newey-West 1994's plug-in, min_bandwidth). Returns (variance
-    of the sum, bandwidth)."""
+    """Variance of sum(z) for a series z of window sums with mean zero: the larger of
+
+    - the truncated kernel at lag 1, sum z_c^2 + 2 sum z_c z_{c+1} (Hansen and Hodrick,
+      1980, "Forward exchange rates as optimal predictors of future spot rates", JPE 88:
+      overlapping forecast errors). Exact when the dependence stops at the overlap, which
+      it does for the price move under no edge: windows are at least one horizon long, so
+      a mark-out reaches the next window at most. Bartlett weights would shrink that lag
+      (and its small-sample bias measured 12% of the variance with ~50 windows);
+    - Bartlett's kernel with Newey and West's (1994) automatic bandwidth, at least
+      min_bandwidth (arch's `Bartlett`): slower dependence than the overlap, such as the
+      spread paid, which at a 1 s horizon outlives the 10 s windows.
+
+    Returns (variance of the sum, the Bartlett bandwidth)."""
     from arch.covariance.kernel import Bartlett  # arch imports pandas: only when needed
 
     z = np.asarray(z, np.float64)
@@ -162,14 +174,16 @@ def long_run_variance(z: np.ndarray, min_bandwidth: float = MIN_BANDWIDTH) -> tu
         automatic = 0.0
     bandwidth = max(automatic if math.isfinite(automatic) else 0.0, float(min_bandwidth))
     bandwidth = min(bandwidth, float(len(z) - 1))
-    lrv = Bartlett(z, bandwidth=bandwidth, center=False).cov.long_run
-    return float(len(z) * np.asarray(lrv).item()), bandwidth
+    bartlett = len(z) * float(np.asarray(Bartlett(z, bandwidth=bandwidth,
+                                                  center=False).cov.long_run).item())  # fmt: skip
+    truncated = float(np.sum(z * z) + 2 * np.sum(z[1:] * z[:-1]))
+    return max(bartlett, truncated), bandwidth
 
 
-def _cells(samples: Sequence[Sample], width: float) -> tuple[list[np.ndarray], int]:
+def _cells(samples: Sequence[Sample], width: float) -> tuple[list[np.ndarray], int, np.ndarray]:
     """Each sample's index into one dense grid of windows of `width` seconds: per day,
     every window from the first trade's to the last one's (empty ones too); days one
-    after another."""
+    after another. Also each window's day (0, 1, ...)."""
     days = np.unique(np.concatenate([s.days.astype(str) for s in samples]))
     codes = [np.searchsorted(days, s.days.astype(str)) for s in samples]
     cells = [np.floor(s.times / width).astype(np.int64) for s in samples]
@@ -181,7 +195,24 @@ def _cells(samples: Sequence[Sample], width: float) -> tuple[list[np.ndarray], i
     size = np.where(hi >= lo, hi - lo + 1, 0)
     start = np.concatenate([[0], np.cumsum(size)[:-1]])
     index = [start[d] + c - lo[d] for d, c in zip(codes, cells, strict=True)]
-    return index, int(size.sum())
+    return index, int(size.sum()), np.repeat(np.arange(len(days)), size)
+
+
+def _variance(z: np.ndarray, cell_day: np.ndarray) -> tuple[float, float, int, bool]:
+    """The variance of sum(z): the HAC over the windows, or, with MIN_DAYS days or more,
+    the larger of it and the cluster-by-day variance G / (G - 1) * sum_d z_d^2 (Liang and
+    Zeger, 1986), which also holds what the HAC cannot see: a level that moves from day to
+    day (measured on the generator: the baseline's spread paid varies by day, and with
+    two days its 1 s SE was half the truth). Returns (variance, bandwidth, days, whether
+    the day clusters gave it: then the t test has days - 1 degrees of freedom)."""
+    var_sum, bandwidth = long_run_variance(z)
+    days = int(cell_day.max()) + 1 if len(cell_day) else 0
+    if days >= MIN_DAYS:
+        per_day = np.bincount(cell_day, weights=z, minlength=days)
+        by_day = days / (days - 1) * float(np.sum(per_day**2))
+        if by_day > var_sum:
+            return by_day, bandwidth, days, True
+    return var_sum, bandwidth, days, False
 
 
 def _kish(index: np.ndarray, length: int) -> float:
@@ -192,17 +223,17 @@ def _kish(index: np.ndarray, length: int) -> float:
 
 def _result(
     estimate: float, var_sum: float, bandwidth: float, se_iid: float, n: int, n_iid: float,
-    windows: float, width: float,
+    windows: float, width: float, days: int = 0, by_day: bool = False,
 ) -> Estimate:  # fmt: skip
     common = dict(estimate=estimate, se_iid=se_iid, n=n, windows=windows, width_s=width,
-                  bandwidth=bandwidth)  # fmt: skip
+                  bandwidth=bandwidth, days=days)  # fmt: skip
     if windows < MIN_WINDOWS:
         why = f"insufficient data: {windows:.1f} effective {width:g} s windows < {MIN_WINDOWS}"
         return Estimate(se=math.nan, n_eff=math.nan, statistic=math.nan, df=math.nan,
                         p_value=math.nan, insufficient=why, **common)  # fmt: skip
     # small-sample factor as a cluster SE's G / (G - 1), with G the effective windows
     se = math.sqrt(max(var_sum, 0.0) * windows / (windows - 1))
-    df = windows - 1
+    df = days - 1 if by_day else windows - 1
     if se == 0.0:
         return Estimate(se=0.0, n_eff=math.inf, statistic=math.nan, df=df, p_value=math.nan,
                         insufficient="no variation", **common)  # fmt: skip
@@ -221,10 +252,11 @@ def mean(sample: Sample, width_s: float) -> Estimate:
         return _result(math.nan, math.nan, 0.0, math.nan, 0, 0, 0.0, width_s)
     mu = float(sample.values.mean())
     se_iid = float(sample.values.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    (index,), length = _cells([sample], width_s)
+    (index,), length, cell_day = _cells([sample], width_s)
     z = np.bincount(index, weights=(sample.values - mu) / n, minlength=length)
-    var_sum, bandwidth = long_run_variance(z)
-    return _result(mu, var_sum, bandwidth, se_iid, n, n, _kish(index, length), width_s)
+    var_sum, bandwidth, days, by_day = _variance(z, cell_day)
+    return _result(mu, var_sum, bandwidth, se_iid, n, n, _kish(index, length), width_s, days,
+                   by_day)  # fmt: skip
 
 
 def difference(a: Sample, b: Sample, width_s: float) -> Estimate:
@@ -238,15 +270,15 @@ def difference(a: Sample, b: Sample, width_s: float) -> Estimate:
     var_iid = (a.values.var(ddof=1) / na if na > 1 else math.nan) + (
         b.values.var(ddof=1) / nb if nb > 1 else math.nan
     )
-    (ia, ib), length = _cells([a, b], width_s)
+    (ia, ib), length, cell_day = _cells([a, b], width_s)
     z = np.bincount(ia, weights=(a.values - ma) / na, minlength=length) - np.bincount(
         ib, weights=(b.values - mb) / nb, minlength=length
     )
-    var_sum, bandwidth = long_run_variance(z)
+    var_sum, bandwidth, days, by_day = _variance(z, cell_day)
     windows = min(_kish(ia, length), _kish(ib, length))
     n_iid = 2.0 / (1.0 / na + 1.0 / nb)  # n_eff is reported on the harmonic-mean scale
     return _result(ma - mb, var_sum, bandwidth, math.sqrt(var_iid), na + nb, n_iid, windows,
-                   width_s)  # fmt: skip
+                   width_s, days, by_day)  # fmt: skip
 
 
 def holm(p_values: Mapping[str, float]) -> dict[str, float]:
