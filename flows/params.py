@@ -5,18 +5,26 @@ before anything slow is loaded (a bad LOBSTER folder is refused in ~2 s, not ~5)
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quantloop.tasks.engine import sha256_json
 from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.form import FeatureForm, HoldoutFraction, ProductFeatures, SimForm, TrainForm
-from quantloop.tasks.landing import read_lobster_folder
+from quantloop.tasks.form import (
+    WALK_FORWARD,
+    FeatureForm,
+    ProductFeatures,
+    SimForm,
+    TrainForm,
+    ValidationForm,
+    holdout_into_validation,
+)
+from quantloop.tasks.landing import business_days, read_lobster_folder
 from quantloop.tasks.planning import normalized_overrides, product_params
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import SimConfig
-from quantloop.tasks.stage import StageParams
+from quantloop.tasks.stage import StageParams, folds_of
 from quantloop.tasks.synthetic import SyntheticConfig
 from quantloop.tasks.train_config import TrainConfig
 from quantloop.tasks.workspace import Selection, Workspace
@@ -109,7 +117,13 @@ class ResearchParams(BaseModel):
         title="Simulation",
         description="How the held-out part is replayed and marked out.",
     )
-    holdout_fraction: HoldoutFraction = 0.3
+    validation: ValidationForm = Field(
+        default=WALK_FORWARD,
+        title="Validation",
+        description="How the dates are split into walk-forward folds: one model per fold, "
+        "trained on the dates before its test window and replayed on that window only; the "
+        "mark-outs of all the test windows are pooled.",
+    )
     shard_size: int = Field(
         default=50_000,
         ge=1,
@@ -125,6 +139,13 @@ class ResearchParams(BaseModel):
         "every output, which a cache hit otherwise never does); a damaged one is recomputed.",
     )
 
+    # A form from before the folds (an old resolved_params.json, a recipe, a params file)
+    # has a top-level holdout_fraction: the single split it made.
+    @model_validator(mode="before")
+    @classmethod
+    def _holdout(cls, values: Any) -> Any:
+        return holdout_into_validation(values)
+
     @model_validator(mode="after")
     def _overrides(self) -> ResearchParams:
         # Checked here, before any server starts: a typo in an override used to surface
@@ -139,16 +160,20 @@ class ResearchParams(BaseModel):
         """Check the inputs a run will read, before anything starts: the LOBSTER folder
         is read and validated whole (every file, every row), the per-product overrides
         are checked against its products, and each training part must be long enough
-        to give training windows. Returns the products. Raises ValueError (or
-        DataValidationError, a ValueError) naming the file, row, column or field."""
+        to give training windows, and the validation's folds must fit the dates. Returns
+        the products. Raises ValueError (or DataValidationError, a ValueError) naming the
+        file, row, column or field."""
         if self.data.lobster_dir is None:
             rows = {p: self.data.synthetic.events_per_day for p in self.data.products}
+            dates = business_days(self.data.start_date, self.data.n_dates)
         else:
             days = read_lobster_folder(self.data.lobster_dir)
             rows = {}
             for day in days:
                 rows[day.product] = max(rows.get(day.product, 0), day.table.num_rows)
+            dates = [day.date for day in days]
         product_params(self.features, self.product_features, sorted(rows))
+        folds_of(dates, self.validation)  # ValueError naming validation's fields
         # An explicit list of optimizations that lacks a switch it requires fails here.
         # Imported only now: torch costs 1-2 s, and bad data has already been refused.
         from quantloop.profiling.proof import plan_rungs
@@ -178,7 +203,7 @@ class ResearchParams(BaseModel):
             selection=selection,
             features=self.features,
             product_features=self.product_features,
-            holdout_fraction=self.holdout_fraction,
+            validation=self.validation,
         )
 
     def hash(self) -> str:

@@ -1,11 +1,11 @@
 """The research form's words for the configs that live in code-fingerprinted modules.
 
-FeatureParams (tasks/features.py), TrainConfig (tasks/training.py) and SimConfig
-(tasks/simulation.py) sit in modules whose whole source goes into the keys of the
-outputs they decide (`code_fingerprint`): a description written there would re-key
-every stored feature node, model and simulation. Their titles, descriptions, units,
-bounds and choices are written here instead, field by field, and `Form` makes
-pydantic, and so the Prefect UI, see them:
+FeatureParams (tasks/features.py), TrainConfig (tasks/training.py), SimConfig
+(tasks/simulation.py) and WalkForward (tasks/folds.py) sit in modules whose whole source
+goes into the keys of the outputs they decide (`code_fingerprint`): a description
+written there would re-key every stored feature node, model and simulation. Their
+titles, descriptions, units, bounds and choices are written here instead, field by
+field, and `Form` makes pydantic, and so the Prefect UI, see them:
 
     TrainForm = Annotated[TrainConfig, Form(TrainConfig, description=..., fields={...})]
 
@@ -40,6 +40,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import core_schema
 
 from quantloop.tasks.features import FeatureParams
+from quantloop.tasks.folds import WalkForward
 from quantloop.tasks.simulation import SimConfig
 from quantloop.tasks.train_config import TrainConfig
 
@@ -51,10 +52,18 @@ class Form:
 
     fields: name -> `Field(...)` (descriptions, bounds), or (annotation, `Field(...)`)
     where the form narrows the type (a Literal of the choices). Defaults are the
-    dataclass's own, so they are written once.
+    dataclass's own, so they are written once; `preset` (an instance of the config)
+    gives the form other defaults than the dataclass's.
     """
 
-    def __init__(self, config: type, *, description: str, fields: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        config: type,
+        *,
+        description: str,
+        fields: Mapping[str, Any],
+        preset: Any = None,
+    ) -> None:
         names = [f.name for f in dataclasses.fields(config)]
         if set(fields) != set(names):
             raise TypeError(
@@ -64,6 +73,8 @@ class Form:
             )
         hints = typing.get_type_hints(config)
         defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        if preset is not None:
+            defaults = {name: getattr(preset, name) for name in defaults}
         specs = {}
         for name in names:
             annotation, info = fields[name] if isinstance(fields[name], tuple) else (
@@ -372,13 +383,102 @@ ProductFeatures = Annotated[
         "change the model's columns). Empty: every product uses the run's features.",
     ),
 ]
-HoldoutFraction = Annotated[
-    float,
-    Field(
-        gt=0,
-        lt=1,
-        title="Held-out share",
-        description="Share held out for the simulation (0 to 1, exclusive): the last dates, "
-        "or the end of the day when there is one date. The rest trains the model.",
-    ),
-]
+# The research run's validation unless told otherwise: walk-forward, an expanding window,
+# one test date a fold, the last two folds. A default 4-day run tests the last 2 dates, as
+# the single 0.3 held-out share did, each on a model trained on every date before it.
+# (WalkForward's own defaults are that single split: what an older run's holdout_fraction
+# meant, see holdout_into_validation.)
+WALK_FORWARD = WalkForward(folds=2, test_dates=1)
+MAX_DATES = 10_000  # the most trading days a synthetic run may have (data.n_dates)
+
+VALIDATION = Form(
+    WalkForward,
+    description="Walk-forward validation: the dates are split into folds, each a test "
+    "window of whole dates and the dates before it to train on. One model is trained per "
+    "fold and replays only its own test window; the mark-outs of all test windows (which "
+    "never overlap) are pooled. Counts are of trading days in the data. One date of data: "
+    "one fold, the end of the day held out (the held-out share).",
+    preset=WALK_FORWARD,
+    fields={
+        "folds": (
+            Annotated[int, Field(ge=0, le=MAX_DATES)] | None,
+            Field(
+                title="Folds",
+                description="Test windows, the most recent that fit (0 to 10,000); a run "
+                "whose dates fit fewer is refused before it starts. 0 or empty: every window "
+                "that fits, so a new date adds a fold. One date of data always makes one fold.",
+            ),
+        ),
+        "test_dates": (
+            Annotated[int, Field(ge=1, le=MAX_DATES)] | None,
+            Field(
+                title="Test dates per fold",
+                description="Trading days in each fold's test window, also the step from one "
+                "fold to the next (1 to 10,000). Empty: one fold holding out the last "
+                "held-out share of the dates (the single split; Folds must be 1).",
+            ),
+        ),
+        "train_dates": Field(
+            ge=0,
+            le=MAX_DATES,
+            title="Training dates",
+            description="0: an expanding window, each fold trains on every date before its "
+            "test window (and embargo); n > 0: a sliding window of the n dates before it "
+            "(0 to 10,000).",
+        ),
+        "min_train_dates": Field(
+            ge=1,
+            le=MAX_DATES,
+            title="Minimum training dates",
+            description="Trading days the first fold trains on (1 to 10,000): the first test "
+            "date is this (or Training dates, if larger) plus the embargo after the first date.",
+        ),
+        "embargo_dates": Field(
+            ge=0,
+            le=MAX_DATES,
+            title="Embargo (dates)",
+            description="Trading days between a fold's training dates and its test window "
+            "that its model does not train on (0 to 10,000): against features and labels "
+            "whose dependence lasts days. Earlier folds still test them.",
+        ),
+        "holdout_fraction": Field(
+            gt=0,
+            lt=1,
+            title="Held-out share",
+            description="Share held out (0 to 1, exclusive). One date of data: the end of "
+            "each day from row (1 - share) x rows on is the test part, the rows before it "
+            "train (labels reaching the cut purged). Several dates with Test dates empty: "
+            "the last share of the dates.",
+        ),
+    },
+)
+
+ValidationForm = Annotated[WalkForward, VALIDATION]
+
+
+def holdout_into_validation(values: Any) -> Any:
+    """A form from before walk-forward folds, with a top-level `holdout_fraction`, as the
+    form it means now (a before-validator of the models that carry `validation`).
+
+    Alone, it is the single split it always made: WalkForward's own defaults with that
+    share (folds=1, test_dates=None), so an old resolved_params.json or recipe says how
+    its model was trained. Beside a `validation`, it is that validation's held-out share
+    (the two must agree when both name one)."""
+    if not isinstance(values, Mapping) or "holdout_fraction" not in values:
+        return values
+    values = dict(values)
+    share = values.pop("holdout_fraction")
+    given = values.get("validation")
+    if given is None:
+        values["validation"] = {**dataclasses.asdict(WalkForward()), "holdout_fraction": share}
+        return values
+    if isinstance(given, WalkForward):
+        given = dataclasses.asdict(given)
+    if isinstance(given, Mapping):
+        if "holdout_fraction" in given and given["holdout_fraction"] != share:
+            raise ValueError(
+                f"holdout_fraction={share!r} and validation.holdout_fraction="
+                f"{given['holdout_fraction']!r} disagree: give validation.holdout_fraction only"
+            )
+        values["validation"] = {**given, "holdout_fraction": share}
+    return values

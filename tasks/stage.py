@@ -1,5 +1,6 @@
 """What the stage flows (features, train, simulate) share: one parameter model, where
-a selection's feature outputs are, and keyed outputs found by their key.
+a selection's feature outputs are, the validation's folds over its dates and each
+fold's outputs, and keyed outputs found by their key.
 
 A stage output that is not a feature node (a model, a simulation) is keyed like a
 node: key = sha256 of what decides it, stored under `<root>/<kind>/<key><suffix>`,
@@ -9,20 +10,28 @@ recomputing it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quantloop.tasks import storage
 from quantloop.tasks.engine import NodeKind, NodeStore, output_blob, sha256_json
 from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.form import FeatureForm, HoldoutFraction, ProductFeatures
+from quantloop.tasks.folds import Fold, WalkForward, folds
+from quantloop.tasks.form import (
+    WALK_FORWARD,
+    FeatureForm,
+    ProductFeatures,
+    ValidationForm,
+    holdout_into_validation,
+)
 from quantloop.tasks.planning import feature_kind, plan_feature_table, product_params
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.workspace import Selection, Workspace
@@ -53,7 +62,80 @@ class StageParams(BaseModel):
         description="The feature parameters the stage's feature nodes were (or are) made with.",
     )
     product_features: ProductFeatures = {}
-    holdout_fraction: HoldoutFraction = 0.3
+    validation: ValidationForm = Field(
+        default=WALK_FORWARD,
+        title="Validation",
+        description="The walk-forward folds over the selection's dates: one model per fold, "
+        "each replayed on its own test window.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _holdout(cls, values: Any) -> Any:
+        return holdout_into_validation(values)  # a stage from before the folds
+
+    def dates(self) -> list[dt.date]:
+        """The trading days of the selection, as the catalog has them (oldest first)."""
+        dates = pc.unique(self.selection.table(self.workspace.catalog())["date"]).to_pylist()
+        return sorted(dt.date.fromisoformat(d) for d in dates)
+
+
+def folds_of(dates: Iterable[dt.date], validation: WalkForward) -> list[Fold]:
+    """The validation's folds over `dates`, oldest first (tasks/folds.folds). One date of
+    data is one fold, the intraday cut at the held-out share, whatever `folds` asks: there
+    is no later date to test on. ValueError naming the fields when the folds do not fit."""
+    days = sorted(set(dates))
+    if len(days) == 1 and validation.test_dates is not None:
+        validation = dataclasses.replace(validation, folds=1)
+    try:
+        return folds(days, validation)
+    except ValueError as exc:
+        raise ValueError(f"validation: {exc}") from exc
+
+
+def plan_folds(stage: StageParams) -> list[Fold]:
+    """The folds of the stage's selection: what the train stage trains one model for and
+    the simulate stage replays, each model on its own test window."""
+    return folds_of(stage.dates(), stage.validation)
+
+
+def describe(fold: Fold) -> str:
+    """'train 2026-03-02..2026-03-04 (3 dates), test 2026-03-05': a fold in a log line."""
+
+    def span(dates: tuple) -> str:
+        if len(dates) == 1:
+            return dates[0].isoformat()
+        return f"{dates[0]}..{dates[-1]} ({len(dates)} dates)"
+
+    if fold.intraday:
+        return f"{span(fold.test_dates)}, the last {fold.holdout_fraction:.0%} of each day held out"
+    embargo = f", embargo {span(fold.embargoed)}" if fold.embargoed else ""
+    return f"train {span(fold.train_dates)}{embargo}, test {span(fold.test_dates)}"
+
+
+def training_part(outputs: Mapping[Partition, T], fold: Fold) -> dict[Partition, T]:
+    """The partitions a fold's model trains on (of an intraday fold: every partition of
+    the day, whose rows before the cut train), in `outputs`' order."""
+    dates = set(fold.train_dates)
+    return {p: o for p, o in outputs.items() if p.date in dates}
+
+
+def fold_part(outputs: Mapping[Partition, T], fold: Fold) -> dict[Partition, T]:
+    """The partitions a fold's simulation reads: its training dates (where each signal's
+    trading threshold comes from) and its test dates (what it replays), not its embargo."""
+    dates = set(fold.train_dates) | set(fold.test_dates)
+    return {p: o for p, o in outputs.items() if p.date in dates}
+
+
+def fold_of(window: Mapping[str, Any], index: int = 0) -> Fold:
+    """The Fold a recorded window (Fold.window(): a model's lineage, a run's folds.json)
+    describes, to split tables as that fold did (tasks/folds.split_fold)."""
+
+    def days(name: str) -> tuple[dt.date, ...]:
+        return tuple(dt.date.fromisoformat(d) for d in window.get(name) or ())
+
+    return Fold(index, days("train"), days("test"), days("embargo"),
+                holdout_fraction=window.get("holdout_fraction"))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(tmp_path):
         "data": {"products": ["SYNA"], "n_dates": 2,
                  "synthetic": {"events_per_day": 2_000, "levels": 2}},
         "train": {"steps": 10, "batch_size": 32},
+        "validation": {"folds": 1},  # two dates fit one walk-forward fold
     }))  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), COLUMNS="80")
@@ -118,6 +119,16 @@ def write_json(path: Path, value) -> Path:
          "product_features names products not in this run: ['NOPE']"),
         ({"data": {"synthetic": {"events_per_day": 50}}},
          "too little data to train: SYNA, SYNB, SYNC have at most 50 events a day"),
+        ({"data": {"n_dates": 2}},
+         "validation: too few dates for folds=2: 2 dates, but 2 fold(s) need 3"),
+        ({"data": {"n_dates": 6}, "validation": {"embargo_dates": 5}},
+         "validation: too few dates for folds=2: 6 dates, but 2 fold(s) need 8: the first "
+         "trains on 1 (min_train_dates=1, train_dates=0), skips embargo_dates=5"),
+        ({"validation": {"folds": 2, "test_dates": None}},
+         "validation: test_dates=None (hold out the last holdout_fraction of the dates) makes "
+         "one fold, but folds=2"),
+        ({"holdout_fraction": 0.3, "validation": {"holdout_fraction": 0.2}},
+         "holdout_fraction=0.3 and validation.holdout_fraction=0.2 disagree"),
         ("{\"data\": {", "not valid JSON: Expecting property name enclosed in double quotes at "
                          "line 1, column 11"),
         ("[1, 2]", "expected a JSON object of parameters, got list"),

@@ -24,8 +24,10 @@ from quantloop.flows.simulate import simulate
 from quantloop.flows.train import model_key, train
 from quantloop.tasks.engine import code_fingerprint, sha256_json
 from quantloop.tasks.features import FeatureParams, feature_set
+from quantloop.tasks.folds import WalkForward
 from quantloop.tasks.form import FEATURES, OVERRIDABLE, ProductOverride, TrainForm
 from quantloop.tasks.planning import feature_kind
+from quantloop.tasks.stage import StageParams
 from quantloop.tasks.train_config import TrainConfig
 
 FLOWS = {"research": research, "features": features, "train": train, "simulate": simulate}
@@ -60,7 +62,7 @@ def test_groups_have_human_titles_and_fields_show_their_defaults():
         "product_features": "Per-product features",
         "train": "Training",
         "simulation": "Simulation",
-        "holdout_fraction": "Held-out share",
+        "validation": "Validation",
         "shard_size": "Shard size (nodes)",
         "verify_hits": "Verify cached outputs",
     }
@@ -147,8 +149,55 @@ def test_the_form_changes_no_hash_or_key():
     assert isinstance(params.train, TrainConfig) and isinstance(params.features, FeatureParams)
     module = sys.modules[FeatureParams.__module__]
     assert feature_kind().code == code_fingerprint(module)
-    assert model_key(params.train, ["a", "b"], 0.3) == model_key(TrainConfig(steps=10),
-                                                               ["a", "b"], 0.3)  # fmt: skip
+    window = {"train": ["2026-03-02"], "holdout_fraction": None}
+    assert model_key(params.train, ["a", "b"], window) == model_key(TrainConfig(steps=10),
+                                                                  ["a", "b"], window)  # fmt: skip
+    assert params.validation == WalkForward(folds=2, test_dates=1)
+    assert plain["validation"] == dataclasses.asdict(params.validation)
+
+
+def test_validation_is_a_form_section_defaulting_to_two_walk_forward_folds():
+    definitions = schema_of(research)["definitions"]
+    section = definitions["ResearchParams"]["properties"]["validation"]
+    assert section["title"] == "Validation" and section["default"] == {
+        "folds": 2, "test_dates": 1, "train_dates": 0, "min_train_dates": 1,
+        "embargo_dates": 0, "holdout_fraction": 0.3,
+    }  # fmt: skip
+    fields = definitions["WalkForward"]["properties"]
+    assert {n: f["title"] for n, f in fields.items()} == {
+        "folds": "Folds", "test_dates": "Test dates per fold", "train_dates": "Training dates",
+        "min_train_dates": "Minimum training dates", "embargo_dates": "Embargo (dates)",
+        "holdout_fraction": "Held-out share",
+    }  # fmt: skip
+    # defaults of the fields are the research run's too: a partial section keeps them
+    assert fields["folds"]["default"] == 2 and fields["test_dates"]["default"] == 1
+    assert fields["folds"]["anyOf"][0] == {"maximum": 10_000, "minimum": 0, "type": "integer"}
+    assert fields["min_train_dates"]["minimum"] == 1 and fields["embargo_dates"]["minimum"] == 0
+    assert (fields["holdout_fraction"]["exclusiveMinimum"],
+            fields["holdout_fraction"]["exclusiveMaximum"]) == (0, 1)  # fmt: skip
+    partial = ResearchParams.model_validate({"validation": {"embargo_dates": 1}}).validation
+    assert partial == WalkForward(folds=2, test_dates=1, embargo_dates=1)
+    assert ResearchParams.model_validate({"validation": {"folds": 0}}).validation.folds is None
+    with pytest.raises(ValidationError, match=r"validation\.test_dates\n.*greater than or"):
+        ResearchParams.model_validate({"validation": {"test_dates": 0}})
+    with pytest.raises(ValidationError, match="test_dates=None .* makes one fold, but folds=2"):
+        ResearchParams.model_validate({"validation": {"test_dates": None}})
+
+
+@pytest.mark.parametrize("model", [ResearchParams, StageParams])
+def test_an_old_top_level_holdout_fraction_is_the_single_split_it_made(model):
+    """resolved_params.json, recipes and params files from before the folds: alone, the
+    holdout_fraction is WalkForward's own default split (split_train_test's) with that
+    share; beside a validation, that validation's share."""
+    old = model.model_validate({"holdout_fraction": 0.25})
+    assert old.validation == WalkForward(holdout_fraction=0.25)  # folds=1, test_dates=None
+    assert "holdout_fraction" not in old.model_dump()
+    both = model.model_validate({"holdout_fraction": 0.4, "validation": {"folds": 3}})
+    assert both.validation == WalkForward(folds=3, test_dates=1, holdout_fraction=0.4)
+    with pytest.raises(ValidationError, match="disagree"):
+        model.model_validate({"holdout_fraction": 0.4, "validation": {"holdout_fraction": 0.2}})
+    with pytest.raises(ValidationError, match="holdout_fraction"):
+        model.model_validate({"holdout_fraction": 1.5})
 
 
 @pytest.mark.server
