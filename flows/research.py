@@ -29,9 +29,10 @@ from quantloop.tasks.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.planning import product_params
 from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.sites import SiteCounts
-from quantloop.tasks.stage import DamagedOutputs
+from quantloop.tasks.stage import DamagedOutputs, describe, plan_folds
 from quantloop.tasks.summary import (
     ResearchSummary,
+    fold_table,
     markout_table,
     product_table,
     site_table,
@@ -170,6 +171,13 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     partitions = selection.table(ws.catalog()).num_rows
     data_digest = selection.pin  # the digest of exactly the versions landed (and read)
     stage = params.stage(selection)
+    # The folds over the landed dates, before any feature is computed: folds that do not
+    # fit the dates fail here, naming the validation's fields.
+    planned = plan_folds(stage)
+    shown = planned if len(planned) <= 4 else [planned[0], planned[-1]]
+    feedback.note("validation", f"{len(planned)} fold(s): "
+                  + (" ... " if len(shown) < len(planned) else "; ").join(
+                      f"fold {f.index}: {describe(f)}" for f in shown))  # fmt: skip
     tags = {
         "prefect_flow_run_id": flow_run.id or "",
         "site": site.name,
@@ -195,7 +203,8 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 **{f"features.{k}": v for k, v in params.features.canonical().items()},
                 **{f"train.{k}": v for k, v in asdict(params.train).items()},
                 **{f"sim.{k}": v for k, v in asdict(params.simulation).items()},
-                "holdout_fraction": params.holdout_fraction,
+                **{f"validation.{k}": v for k, v in asdict(params.validation).items()},
+                "folds": len(planned),
             }
         )
         parent.tags(tags)
@@ -230,8 +239,8 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                     feedback.start("train", f"{params.train.steps:,} steps")
                     trained = train_flow(stage, params.train, parent_run_id=parent.run_id)
                     feedback.start("simulate", f"{len(selection.products or []):,} products")
-                    sim = simulate_flow(trained.model_url, stage, params.simulation,
-                                        parent_run_id=parent.run_id)  # fmt: skip
+                    sim = simulate_flow([f.model_url for f in trained.folds], stage,
+                                        params.simulation, parent_run_id=parent.run_id)  # fmt: skip
                     break
                 except DamagedOutputs as exc:
                     # The store heals itself: the damaged outputs are out of the index, so
@@ -296,8 +305,10 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
             for p in sim.model
             if p != "total"
         },
-        model_cached=trained.cache_hit,
+        model_cached=all(f.cache_hit for f in trained.folds),
         simulation_cached=sim.cache_hit,
+        folds=len(trained.folds),
+        per_fold=fold_rows(trained, sim),
         model_digest=trained.model_digest,
         model_url=trained.model_url,
         registered_model=trained.registered_model,
@@ -345,8 +356,9 @@ def site_counts(ws, feats, trained, sim) -> dict[str, dict]:
     per_hour = {s.name: s.cost_per_hour for s in ws.resolve_sites()}
     sites = {name: SiteCounts(**counts) for name, counts in feats.sites.items()}
     stages = (
-        ("train", trained.site, None if trained.cache_hit else trained.duration_s,
-         trained.bytes_across),
+        ("train", trained.site,
+         sum(f.duration_s for f in trained.folds if not f.cache_hit)
+         if not all(f.cache_hit for f in trained.folds) else None, trained.bytes_across),
         ("simulate", sim.site, sim.compute_s, sim.bytes_across),
     )  # fmt: skip
     for stage, name, seconds, across in stages:
@@ -355,6 +367,29 @@ def site_counts(ws, feats, trained, sim) -> dict[str, dict]:
                 stage, seconds, across, per_hour.get(name, 0.0)
             )
     return {name: asdict(counts) for name, counts in sites.items()}
+
+
+def fold_rows(trained, sim) -> list[dict]:
+    """One row per fold, oldest first: its window (first and last date and how many of
+    each part), its model and simulation, its trades and the model's mark-out."""
+
+    def span(dates: list[str]) -> dict:
+        return {"first": dates[0], "last": dates[-1], "dates": len(dates)} if dates else {}
+
+    rows = []
+    for model in trained.folds:
+        replayed = sim.per_fold[model.index]
+        window = model.window
+        rows.append({
+            "index": model.index,
+            "train": span(window["train"]), "embargo": span(window["embargo"]),
+            "test": span(window["test"]), "holdout_fraction": window["holdout_fraction"],
+            "trades": replayed["trades"], "baseline_trades": replayed["baseline_trades"],
+            "markout_bps": replayed["markout_bps"],
+            "model_digest": model.model_digest, "model_cached": model.cache_hit,
+            "simulation_cached": replayed["cache_hit"],
+        })  # fmt: skip
+    return rows
 
 
 def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
@@ -369,6 +404,9 @@ def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
             markout_table(summary).markdown(),
             "",
             *(f"- {note}" for note in validity_notes(summary)),
+            "",
+            f"## Per fold ({summary.folds}: each model replays its own test window)",
+            fold_table(summary).markdown(),
             "",
             "## Sites",
             f"Placement `{summary.placement}`: {summary.bytes_across_sites:,} input bytes "

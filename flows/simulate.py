@@ -1,4 +1,5 @@
-"""The simulation stage: replay held-out data, trade on the model, mark out the trades."""
+"""The simulation stage: each fold's model replays its own test window, trades, and the
+trades are marked out; the out-of-sample mark-outs of all folds are pooled."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import contextlib
 import time
 from dataclasses import asdict
 
+import pyarrow as pa
 from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from quantloop.profiling import inference, replay
-from quantloop.tasks import plots, progress, simulation, storage, tracking, training
+from quantloop.tasks import folds, plots, progress, simulation, storage, tracking, training
 from quantloop.tasks.engine import code_fingerprint
 from quantloop.tasks.form import SimForm
 from quantloop.tasks.simulation import (
@@ -23,7 +25,14 @@ from quantloop.tasks.simulation import (
     summarize,
 )
 from quantloop.tasks.sites import GPU, gpu_client
-from quantloop.tasks.stage import StageParams, feature_outputs, keyed_output, output_key
+from quantloop.tasks.stage import (
+    StageParams,
+    feature_outputs,
+    fold_part,
+    keyed_output,
+    output_key,
+    plan_folds,
+)
 
 
 class SimSummary(BaseModel):
@@ -51,77 +60,105 @@ class SimSummary(BaseModel):
     worker: str = ""  # the Dask worker that replayed it ("": the flow's process, or cached)
     compute_s: float | None = None  # the replay's seconds where it ran (None: cached)
     bytes_across: int = 0  # feature outputs and model bytes read from another site
+    # per fold, by its index: {window (Fold.window()), trades, baseline_trades, markout_bps
+    # (the model's mean by horizon on that test window), cache_hit, simulation_key,
+    # model_url}; the figures above pool every fold's test window
+    per_fold: dict[int, dict] = {}
 
 
 @flow(name="simulate")
 def simulate(
-    model_url: str,
+    model_urls: list[str] | str,
     stage: StageParams = StageParams(),
     config: SimForm = SimConfig(),
     parent_run_id: str | None = None,
 ) -> SimSummary:
-    """Replay the held-out part of every selected partition with the model and the baseline.
+    """Replay each fold's test window with the fold's model and the baseline, and pool
+    the mark-outs of all the test windows (they do not overlap).
 
     Args:
-        model_url: A stored model (a train run's model_url: <storage root>/models/<key>.pt).
-        stage: The workspace, the partitions and their feature parameters (the features
-            must be computed).
+        model_urls: One stored model per fold of the stage's validation, oldest fold first
+            (a train run's folds[].model_url: <storage root>/models/<key>.pt); one URL
+            alone when there is one fold.
+        stage: The workspace, the partitions, their feature parameters (the features
+            must be computed) and the validation the models were trained with.
         config: When the signal trades and the mark-out horizons.
         parent_run_id: An MLflow run to record under as a child run "simulate"; empty:
             nothing is recorded.
     """
     logger = get_run_logger()
     site = stage.workspace.resolve_site()
+    urls = [model_urls] if isinstance(model_urls, str) else list(model_urls)
+    planned = plan_folds(stage)
+    if len(urls) != len(planned):
+        raise ValueError(
+            f"{len(urls)} model(s) for the {len(planned)} folds of the stage's validation: "
+            "give one model per fold, oldest first (the train stage's folds[].model_url)"
+        )
     with contextlib.ExitStack() as stack:
         # Replayed where training runs: a site whose workers declare a GPU, when there is
         # one; otherwise here, in the flow's process. It reads the outputs stored there.
         gpu = gpu_client(stage.workspace.resolve_sites(), stack)
         outputs = feature_outputs(stage, prefer=(gpu[0] if gpu else site).name)
+        at = gpu[0] if gpu is not None else site
 
         def at_site(fn, *args):
             if gpu is None:
                 return fn(*args)
             return gpu[1].submit(fn, *args, resources={GPU: 1}, pure=False).result()
 
-        # where it runs decides how it predicts (the fast path on a GPU): part of the key
-        mode, model_digest = at_site(replay.inference_mode, model_url)
-        key = output_key(
-            "simulation",
-            code=code_fingerprint(simulation, training, inference),
-            config=asdict(config),
-            model=model_url.rsplit("/", 1)[-1],
-            features=sorted(o.key for o in outputs.values()),
-            holdout_fraction=stage.holdout_fraction,
-            # the fast path's predictions differ from the eager ones by its arithmetic (bf16)
-            inference=mode,
-        )
-        ran: dict = {"stats": None, "worker": "", "compute_s": None}
-
-        def compute():
-            if gpu is not None:
-                logger.info("replaying on site %s (a worker with the GPU resource)", gpu[0].name)
-            t0 = time.perf_counter()
-            merged, ran["stats"], ran["worker"] = at_site(
-                replay.replay_stage, model_url, stage, config, outputs
+        ran: dict = {"stats": [], "worker": "", "compute_s": None}
+        replayed = []  # (fold, model_url, Keyed, bytes across)
+        for fold, model_url in zip(planned, urls, strict=True):
+            parts = fold_part(outputs, fold)
+            # where it runs decides how it predicts (the fast path on a GPU): part of the key
+            mode, model_digest = at_site(replay.inference_mode, model_url)
+            key = output_key(
+                "simulation",
+                code=code_fingerprint(simulation, training, inference, folds),
+                config=asdict(config),
+                model=model_url.rsplit("/", 1)[-1],
+                features=sorted(o.key for o in parts.values()),
+                window=fold.window(),
+                # the fast path's predictions differ from the eager ones by its arithmetic
+                inference=mode,
             )
-            ran["compute_s"] = time.perf_counter() - t0
-            return merged
 
-        sim = keyed_output(
-            site.root, "simulation", key, ".parquet",
-            load=lambda url: split_markouts(storage.read_parquet(url)),
-            compute=compute,
-            save=lambda url, merged: storage.write_parquet_atomic(url, stack_markouts(merged)),
-        )  # fmt: skip
-    at = gpu[0] if gpu is not None else site
-    across = 0 if sim.cache_hit else (
-        sum(o.blob.length for o in outputs.values() if not at.holds(o.blob.url))
-        + (0 if at.holds(model_url) else storage.size(model_url))
-    )  # fmt: skip
-    stats = ran["stats"] or inference.InferenceStats(mode=mode)
-    merged = sim.value
-    if sim.cache_hit:
-        logger.info("simulation %s is cached: not replayed", key[:12])
+            def compute(model_url=model_url, parts=parts, fold=fold):
+                if gpu is not None:
+                    logger.info("replaying on site %s (a worker with the GPU resource)",
+                                gpu[0].name)  # fmt: skip
+                t0 = time.perf_counter()
+                merged, stats, ran["worker"] = at_site(
+                    replay.replay_stage, model_url, stage, config, parts, fold
+                )
+                ran["stats"].append(stats)
+                ran["compute_s"] = (ran["compute_s"] or 0.0) + time.perf_counter() - t0
+                return merged
+
+            sim = keyed_output(
+                site.root, "simulation", key, ".parquet",
+                load=lambda url: split_markouts(storage.read_parquet(url)),
+                compute=compute,
+                save=lambda url, merged: storage.write_parquet_atomic(url, stack_markouts(merged)),
+            )  # fmt: skip
+            across = 0 if sim.cache_hit else (
+                sum(o.blob.length for o in parts.values() if not at.holds(o.blob.url))
+                + (0 if at.holds(model_url) else storage.size(model_url))
+            )  # fmt: skip
+            if sim.cache_hit:
+                logger.info("fold %d: simulation %s is cached: not replayed", fold.index, key[:12])
+            replayed.append((fold, model_url, sim, across))
+    across = sum(a for *_, a in replayed)
+    sim_cached = all(sim.cache_hit for _, _, sim, _ in replayed)
+    key = output_key("simulations", folds=[sim.key for _, _, sim, _ in replayed])
+    merged = pooled([sim.value for _, _, sim, _ in replayed])
+    stats = inference.InferenceStats(
+        mode=mode,
+        windows=sum(x.windows for x in ran["stats"]),
+        seconds=sum(x.seconds for x in ran["stats"]),
+        warmup_s=sum(x.warmup_s for x in ran["stats"]),
+    )
     model_summary = summarize(merged["model"], config.fee_bps)
     base_summary = summarize(merged["baseline"], config.fee_bps)
     keys = config.horizon_keys()
@@ -139,15 +176,16 @@ def simulate(
         pnl={name: pnl(merged[name], config) for name in ("model", "baseline")},
         trades=model_summary["total"]["count"],
         baseline_trades=base_summary["total"]["count"],
-        cache_hit=sim.cache_hit,
+        cache_hit=sim_cached,
         inference_mode=mode,
-        inference_samples_per_s=None if sim.cache_hit else stats.samples_per_s,
+        inference_samples_per_s=stats.samples_per_s if ran["stats"] else None,
         site=at.name,
         worker=ran["worker"],
         compute_s=ran["compute_s"],
         bytes_across=across,
+        per_fold={fold.index: fold_row(fold, url, sim, config) for fold, url, sim, _ in replayed},
     )
-    if not sim.cache_hit:
+    if ran["stats"]:
         logger.info(
             "predicted %d windows in %.2f s (%s): %.0f windows/s, warm-up %.1f s",
             stats.windows, stats.seconds, stats.mode, stats.samples_per_s, stats.warmup_s,
@@ -156,17 +194,18 @@ def simulate(
     logger.info("baseline mark-out (bps): %s", _fmt(result.baseline_markout_bps))
     progress.note(
         "simulate",
-        ("cached: " if sim.cache_hit else "")
+        ("cached: " if sim_cached else "")
         + f"{result.trades:,} model trades, {result.baseline_trades:,} baseline trades "
-        f"on the held-out part of {len(outputs)} partitions",
+        f"on the test windows of {len(replayed)} fold(s) of {len(outputs)} partitions",
     )
     if parent_run_id is not None:
         client, experiment = tracking.client_for(stage.workspace.resolve_tracking())
         with tracking.run(client, experiment, "simulate", parent=parent_run_id) as run:
             run.params({f"sim.{k}": v for k, v in asdict(config).items()})
             run.params({"model_url": model_url, "model_digest": model_digest,
-                        "inference_mode": mode, "site": at.name})  # fmt: skip
-            if not sim.cache_hit:
+                        "inference_mode": mode, "site": at.name,
+                        "folds": len(replayed)})  # fmt: skip
+            if ran["stats"]:
                 run.metrics({
                     "inference_samples_per_s": stats.samples_per_s,
                     "inference_s": stats.seconds,
@@ -202,10 +241,13 @@ def simulate(
                         f"{label}.windows.{h}": d["windows"],
                         f"{label}.significant.{h}": float(d["significant"]),
                     })  # fmt: skip
+            metrics |= fold_metrics(result.per_fold)
             # MLflow takes no NaN from every store: an untested horizon's SE is left out
             run.metrics({k: float(v) for k, v in metrics.items() if v == v})
             run.flush()
-            run.tags({"simulation_key": key, "cache_hit": sim.cache_hit})
+            run.tags({"simulation_key": key, "cache_hit": sim_cached})
+            run.json([{"index": i, **row} for i, row in result.per_fold.items()], "folds.json",
+                     "folds")  # fmt: skip
             run.table(stack_markouts(merged), "markouts.parquet", "markouts")
             run.json({"paired": result.paired_bps,
                       "paired_equal_count": result.paired_equal_count_bps,
@@ -221,6 +263,38 @@ def simulate(
             )  # fmt: skip
             result.mlflow_run_id = run.run_id
     return result
+
+
+def pooled(per_fold: list[dict[str, dict[str, pa.Table]]]) -> dict[str, dict[str, pa.Table]]:
+    """The folds' mark-outs as one set, by signal and product, oldest fold first: their
+    test windows do not overlap, so this is every out-of-sample trade once."""
+    out: dict[str, dict[str, pa.Table]] = {}
+    for name in ("model", "baseline"):
+        products = sorted({p for merged in per_fold for p in merged[name]})
+        out[name] = {
+            p: pa.concat_tables([m[name][p] for m in per_fold if p in m[name]]) for p in products
+        }
+    return out
+
+
+def fold_row(fold, model_url: str, sim, config: SimConfig) -> dict:
+    """A fold's line of the summary: its window, trade counts and the model's mark-out."""
+    model = summarize(sim.value["model"], config.fee_bps)["total"]
+    baseline_trades = sum(t.num_rows for t in sim.value["baseline"].values())
+    return {"window": fold.window(), "trades": model["count"], "baseline_trades": baseline_trades,
+            "markout_bps": model["mean_bps"], "cache_hit": sim.cache_hit,
+            "simulation_key": sim.key, "model_url": model_url}  # fmt: skip
+
+
+def fold_metrics(per_fold: dict[int, dict]) -> dict[str, float]:
+    """fold<k>.trades, fold<k>.baseline_trades, fold<k>.markout_bps.<h>, fold<k>.cache_hit."""
+    metrics: dict[str, float] = {}
+    for index, row in per_fold.items():
+        k = f"fold{index}"
+        metrics |= {f"{k}.trades": row["trades"], f"{k}.baseline_trades": row["baseline_trades"],
+                    f"{k}.cache_hit": float(row["cache_hit"])}  # fmt: skip
+        metrics |= {f"{k}.markout_bps.{h}": v for h, v in row["markout_bps"].items()}
+    return metrics
 
 
 def _fmt(curve: dict[str, float]) -> str:

@@ -1,4 +1,5 @@
-"""The training stage: fit the order-book model on the training split's features."""
+"""The training stage: one order-book model per walk-forward fold, each fitted on its
+fold's training part and keyed by its training window, so folds cache like features."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from pydantic import BaseModel
 from quantloop.models import orderbook
 from quantloop.profiling import trainer
 from quantloop.profiling.proof import Plan, plan_rungs
-from quantloop.tasks import plots, progress, registry, storage, tracking, training
+from quantloop.tasks import folds, plots, progress, registry, storage, tracking, training
 from quantloop.tasks.engine import code_fingerprint, sha256_json
+from quantloop.tasks.folds import Fold
 from quantloop.tasks.form import TrainForm
 from quantloop.tasks.provenance import code_digest
 from quantloop.tasks.schema import Partition
@@ -26,10 +28,13 @@ from quantloop.tasks.stage import (
     FeatureOutput,
     Keyed,
     StageParams,
+    describe,
     feature_outputs,
     keyed_output,
     output_key,
     plan_features,
+    plan_folds,
+    training_part,
 )
 from quantloop.tasks.training import (
     TrainConfig,
@@ -40,7 +45,28 @@ from quantloop.tasks.training import (
 )
 
 
+class FoldModel(BaseModel):
+    """One fold's model: the window it was trained for and where it is."""
+
+    index: int  # the fold's place on the walk-forward grid (tasks/folds.Fold.index)
+    window: dict  # Fold.window(): its train, embargo and test dates (and intraday cut)
+    model_url: str
+    model_key: str
+    model_digest: str
+    cache_hit: bool
+    final_loss: float
+    samples: int  # training windows
+    duration_s: float  # the training loop's seconds when it was trained
+    partitions: int  # feature outputs it trained on
+    bytes_across: int = 0  # feature output bytes its training read from another site
+
+
 class TrainSummary(BaseModel):
+    """The train stage's result. The top-level model fields are the last fold's model
+    (trained on the most recent data: the one registered in MLflow); every fold's is in
+    `folds`, oldest first."""
+
+    folds: list[FoldModel] = []
     model_url: str
     model_key: str
     model_digest: str
@@ -68,15 +94,18 @@ class TrainSummary(BaseModel):
 def model_key(
     config: TrainConfig,
     feature_keys: list[str],
-    holdout_fraction: float,
+    window: dict,
     rungs: tuple[str, ...] = (),
     device: str | None = None,
 ) -> str:
-    """What decides the weights: training code, config, device type, features, the split,
-    and the rungs applied (not how they were asked for: "auto" and the same list named
-    explicitly train the same model). device: the device type where training runs, when
-    that is not this process (a GPU site's worker)."""
-    code = code_fingerprint(training, orderbook)
+    """What decides the weights: training code (the split's too), config, device type,
+    the training partitions' feature keys, the fold's training window
+    (Fold.training_window(): its dates and intraday cut, not its test dates, so two folds
+    that train on the same dates share a model, and adding a date keeps every earlier
+    fold's key), and the rungs applied (not how they were asked for: "auto" and the same
+    list named explicitly train the same model). device: the device type where training
+    runs, when that is not this process (a GPU site's worker)."""
+    code = code_fingerprint(training, orderbook, folds)
     if rungs:
         code += code_fingerprint(*trainer.RUNG_CODE)
     config_values = {k: v for k, v in asdict(config).items() if k != "optimizations"}
@@ -86,7 +115,7 @@ def model_key(
         config=config_values,
         device=device or resolve_device(config.device).type,
         features=sorted(feature_keys),
-        holdout_fraction=holdout_fraction,
+        window=window,
         rungs=list(rungs),
     )
 
@@ -113,12 +142,13 @@ def train(
     config: TrainForm = TrainConfig(),
     parent_run_id: str | None = None,
 ) -> TrainSummary:
-    """Train on every selected partition's training part (the held-out part is not read).
+    """Train one model per fold of the stage's validation, each on its fold's training
+    part (nothing of its test window or embargo is read).
 
     Args:
-        stage: The workspace, the partitions and the feature parameters their features
-            were computed with (run the features flow on them first).
-        config: How the model is trained.
+        stage: The workspace, the partitions, the feature parameters their features
+            were computed with (run the features flow on them first) and the folds.
+        config: How the models are trained.
         parent_run_id: An MLflow run to record under as a child run "train"; empty:
             nothing is recorded.
     """
@@ -133,57 +163,84 @@ def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
     # otherwise it runs here, in the flow's process. It reads the outputs stored there.
     gpu = gpu_client(stage.workspace.resolve_sites(), stack)
     outputs = feature_outputs(stage, prefer=(gpu[0] if gpu else site).name)
+    planned = plan_folds(stage)
     device = gpu[1].submit(device_type, config.device, resources={GPU: 1},
                            pure=False).result() if gpu else None  # fmt: skip
     plan = plan_for(stage, config, device)
-    key = model_key(config, [o.key for o in outputs.values()], stage.holdout_fraction, plan.rungs,
-                    device)  # fmt: skip
     logger.info("training optimizations: %s", plan.record())
-    ran_at = {"site": gpu[0].name if gpu else site.name, "worker": ""}
-
-    def fit_now() -> TrainResult:
-        if gpu is not None:
-            logger.info("training on site %s (a worker with the GPU resource)", gpu[0].name)
-            done = gpu[1].submit(trainer.fit_stage, stage, config, plan, outputs,
-                                 resources={GPU: 1}, pure=False)  # fmt: skip
-            result, ran_at["worker"] = done.result()
-        else:
-            result, _ = trainer.fit_stage(stage, config, plan, outputs)
-        return result
-
-    # load checks the weights against their stored digest
-    model = keyed_output(site.root, "model", key, ".pt", load=load_model, compute=fit_now,
-                         save=lambda url, result: save_model(result, url))  # fmt: skip
-    result = model.value
     at = gpu[0] if gpu else site
-    across = (
-        0
-        if model.cache_hit
-        else sum(o.blob.length for o in outputs.values() if not at.holds(o.blob.url))
-    )
-    if model.cache_hit:
-        message = f"model {key[:12]} is cached (weights {result.model_digest[:12]}): not retrained"
-    else:
-        record_lineage(site.root, key, result.model_digest, outputs, config, stage.holdout_fraction)
-        steady = result.steady_samples_per_s
-        message = (
-            f"trained on {result.samples:,} windows ({result.samples_seen:,} seen) in "
-            f"{result.duration_s:.1f} s on {result.device}: {result.samples_per_s:,.0f} samples/s"
-            + (f" ({steady:,.0f} after a {result.warmup_s:.1f} s warm-up)" if steady else "")
-            + f", final loss {result.loss_curve[-1]:.4f}; "
-            + f"optimizations: {', '.join(result.rungs) or 'none'}"
+    ran_at = {"site": at.name, "worker": ""}
+    trained: list[tuple[Fold, Keyed[TrainResult], dict[Partition, FeatureOutput], int]] = []
+    for fold in planned:
+        parts = training_part(outputs, fold)
+        key = model_key(config, [o.key for o in parts.values()], fold.training_window(),
+                        plan.rungs, device)  # fmt: skip
+
+        def fit_now(parts=parts, fold=fold) -> TrainResult:
+            if gpu is not None:
+                logger.info("training on site %s (a worker with the GPU resource)", gpu[0].name)
+                done = gpu[1].submit(trainer.fit_stage, stage, config, plan, parts, fold,
+                                     resources={GPU: 1}, pure=False)  # fmt: skip
+                result, ran_at["worker"] = done.result()
+            else:
+                result, _ = trainer.fit_stage(stage, config, plan, parts, fold)
+            return result
+
+        # load checks the weights against their stored digest
+        model = keyed_output(site.root, "model", key, ".pt", load=load_model, compute=fit_now,
+                             save=lambda url, result: save_model(result, url))  # fmt: skip
+        result = model.value
+        across = (
+            0
+            if model.cache_hit
+            else sum(o.blob.length for o in parts.values() if not at.holds(o.blob.url))
         )
-    logger.info(message)
-    progress.note("train", message)
+        where = f"fold {fold.index} ({describe(fold)})"
+        if model.cache_hit:
+            message = (f"{where}: model {key[:12]} is cached (weights "
+                       f"{result.model_digest[:12]}): not retrained")  # fmt: skip
+        else:
+            record_lineage(site.root, key, result.model_digest, parts, config, fold)
+            steady = result.steady_samples_per_s
+            message = (
+                f"{where}: trained on {result.samples:,} windows ({result.samples_seen:,} seen) "
+                f"in {result.duration_s:.1f} s on {result.device}: "
+                f"{result.samples_per_s:,.0f} samples/s"
+                + (f" ({steady:,.0f} after a {result.warmup_s:.1f} s warm-up)" if steady else "")
+                + f", final loss {result.loss_curve[-1]:.4f}; "
+                + f"optimizations: {', '.join(result.rungs) or 'none'}"
+            )
+        logger.info(message)
+        progress.note("train", message)
+        trained.append((fold, model, parts, across))
     run_id = version = None
     if parent_run_id is not None:
-        run_id, version = _record(stage, parent_run_id, config, outputs, model, ran_at["site"],
-                                  plan, across)  # fmt: skip
+        run_id, version = _record(stage, parent_run_id, config, outputs, trained, ran_at["site"],
+                                  plan)  # fmt: skip
+    fold_models = [
+        FoldModel(
+            index=fold.index,
+            window=fold.window(),
+            model_url=model.url,
+            model_key=model.key,
+            model_digest=model.value.model_digest,
+            cache_hit=model.cache_hit,
+            final_loss=model.value.loss_curve[-1],
+            samples=model.value.samples,
+            duration_s=model.value.duration_s,
+            partitions=len(parts),
+            bytes_across=across,
+        )
+        for fold, model, parts, across in trained
+    ]
+    last = trained[-1][1]  # the model of the most recent data
+    result = last.value
     return TrainSummary(
-        model_url=model.url,
-        model_key=key,
+        folds=fold_models,
+        model_url=last.url,
+        model_key=last.key,
         model_digest=result.model_digest,
-        cache_hit=model.cache_hit,
+        cache_hit=last.cache_hit,
         loss_curve=result.loss_curve,
         samples=result.samples,
         samples_per_s=result.samples_per_s,
@@ -201,8 +258,21 @@ def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
         ladder_result=result.ladder_result,
         site=ran_at["site"],
         worker=ran_at["worker"],
-        bytes_across=across,
+        bytes_across=sum(f.bytes_across for f in fold_models),
     )
+
+
+def window_tag(fold: Fold) -> str:
+    """A fold's window in a few characters (a model version's tag: MLflow caps their
+    length, and a window may span years of dates): its index, then first, last and count
+    of each part; the dates between are the data's trading days."""
+
+    def span(dates: tuple) -> list:
+        return [dates[0].isoformat(), dates[-1].isoformat(), len(dates)] if dates else []
+
+    return json.dumps({"fold": fold.index, "train": span(fold.train_dates),
+                       "embargo": span(fold.embargoed), "test": span(fold.test_dates),
+                       "holdout_fraction": fold.holdout_fraction})  # fmt: skip
 
 
 def record_lineage(
@@ -211,16 +281,20 @@ def record_lineage(
     digest: str,
     outputs: dict[object, FeatureOutput],
     config: TrainConfig,
-    holdout_fraction: float,
+    fold: Fold,
 ) -> None:
-    """Which feature nodes a model was trained from, so lineage runs both ways."""
+    """Which feature nodes a model was trained from (its fold's training part), so
+    lineage runs both ways, and the fold's window (what it was trained for and tested
+    on; `holdout_fraction` is the intraday cut, None for a fold of whole dates)."""
     record = {
         "model_key": key,
         "model_digest": digest,
         "feature_keys": sorted(o.key for o in outputs.values()),
         "partitions": sorted(str(p) for p in outputs),
         "config": asdict(config),
-        "holdout_fraction": holdout_fraction,
+        "fold": fold.index,
+        "window": fold.window(),
+        "holdout_fraction": fold.holdout_fraction,
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     url = storage.join(root, "lineage", "models", f"{key}.json")
@@ -232,26 +306,29 @@ def _record(
     parent_run_id: str,
     config: TrainConfig,
     outputs: dict[Partition, FeatureOutput],
-    model: Keyed[TrainResult],
+    trained: list[tuple[Fold, Keyed[TrainResult], dict[Partition, FeatureOutput], int]],
     site: str,
     plan: Plan,
-    bytes_across: int,
 ) -> tuple[str, ModelVersion]:
-    """The "train" MLflow child run, and the model as a version in the Model Registry
-    (the version of a cached model is found by its key, not registered again).
+    """The "train" MLflow child run, with every fold's figures, and the last fold's model
+    (trained on the most recent data) as a version in the Model Registry; the version of a
+    cached model is found by its key, not registered again. Earlier folds' models are
+    not registered: they exist to test their own windows.
 
     The rungs applied and the ladder result they relied on (file, commit, date) are the
     model's (a cached model keeps those it was trained with); the plan is this run's."""
+    last_fold, model, parts, _ = trained[-1]
     result = model.value
     tracking_block = stage.workspace.resolve_tracking()
     client, experiment = tracking.client_for(tracking_block)
+    validation = asdict(stage.validation)
     digests = {
         "data_digest": plan_features(stage).data_digest(),
-        "features_digest": sha256_json(sorted(o.key for o in outputs.values())),
+        "features_digest": sha256_json(sorted(o.key for o in parts.values())),
         "code_digest": code_digest(),
         "params_hash": sha256_json({
             "features": stage.features.canonical(), "product_features": stage.product_features,
-            "train": asdict(config), "holdout_fraction": stage.holdout_fraction,
+            "train": asdict(config), "validation": validation,
         }),
         "model_digest": result.model_digest,
     }  # fmt: skip
@@ -260,15 +337,17 @@ def _record(
         run.params({f"plan.{k}": v for k, v in plan.record().items()})
         proof = result.ladder_result or {}
         run.params({f"ladder.{k}": v for k, v in proof.items()})
+        run.params({f"validation.{k}": v for k, v in validation.items()})
         run.params(
             {
                 "features_hash": sha256_json(stage.features.canonical()),
-                "holdout_fraction": stage.holdout_fraction,
                 "partitions": len(outputs),
+                "folds": len(trained),
             }
         )
         run.tags({"model_key": model.key, "site": site, "cache_hit": model.cache_hit,
-                  "rungs": ",".join(result.rungs) or "none", **digests})  # fmt: skip
+                  "rungs": ",".join(result.rungs) or "none", "fold_window": window_tag(last_fold),
+                  **digests})  # fmt: skip
         measured = {
             "steady_samples_per_s": result.steady_samples_per_s,
             "step_ms": result.step_ms,
@@ -276,6 +355,13 @@ def _record(
             "gpu_util": result.gpu_util,
             "peak_mem_gb": result.peak_mem_gb,
         }
+        per_fold = {}
+        for fold, m, fold_parts, across in trained:
+            r, k = m.value, f"fold{fold.index}"
+            per_fold |= {f"{k}.final_loss": r.loss_curve[-1], f"{k}.samples": r.samples,
+                         f"{k}.cache_hit": float(m.cache_hit), f"{k}.duration_s": r.duration_s,
+                         f"{k}.partitions": len(fold_parts),
+                         f"{k}.bytes_across_sites": float(across)}  # fmt: skip
         run.metrics(
             {
                 "samples": result.samples,
@@ -284,20 +370,33 @@ def _record(
                 "final_loss": result.loss_curve[-1],
                 "cache_hit": float(model.cache_hit),
                 "rungs_applied": float(len(result.rungs)),
-                "bytes_across_sites": float(bytes_across),
+                "bytes_across_sites": float(sum(across for *_, across in trained)),
+                "folds": len(trained),
+                "folds_cached": sum(m.cache_hit for _, m, _, _ in trained),
+                **per_fold,
                 **{k: v for k, v in measured.items() if v is not None},
             }
         )
         steps = [(i + 1) * config.log_every for i in range(len(result.loss_curve))]
-        run.series("loss", result.loss_curve, steps)
+        run.series("loss", result.loss_curve, steps)  # the registered (last) model's
+        for fold, m, _, _ in trained[:-1]:
+            curve = m.value.loss_curve
+            run.series(f"fold{fold.index}.loss", curve,
+                       [(i + 1) * config.log_every for i in range(len(curve))])  # fmt: skip
         run.flush()
+        run.json([{"index": fold.index, "window": fold.window(), "model_key": m.key,
+                   "model_digest": m.value.model_digest, "model_url": m.url,
+                   "cache_hit": m.cache_hit, "feature_keys": sorted(o.key for o in p.values())}
+                  for fold, m, p, _ in trained], "folds.json", "folds")  # fmt: skip
         run.figure(plots.loss_curve(result.loss_curve, config.log_every), "loss_curve.png")
         version = registry.register(
             client, tracking_block.resolved_uri(), experiment, run.run_id, result,
-            outputs[min(outputs)].read(), name=tracking_block.registered_model,
+            parts[min(parts)].read(), name=tracking_block.registered_model,
             model_key=model.key, tags={**digests, "train_run_id": run.run_id,
                                        "research_run_id": parent_run_id,
                                        "train_config": json.dumps(asdict(config)),
+                                       "validation": json.dumps(validation),
+                                       "fold_window": window_tag(last_fold),
                                        "rungs": ",".join(result.rungs) or "none",
                                        "ladder_result": json.dumps(result.ladder_result)},
         )  # fmt: skip

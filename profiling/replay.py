@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import pyarrow as pa
 
 from quantloop.profiling.inference import InferenceStats, Predictor
+from quantloop.tasks.folds import Fold
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import SimConfig, replay_all
 from quantloop.tasks.sites import worker_address
@@ -33,10 +34,12 @@ def replay_stage(
     stage: StageParams,
     config: SimConfig,
     outputs: Mapping[Partition, FeatureOutput],
+    fold: Fold,
 ) -> tuple[dict[str, dict[str, pa.Table]], InferenceStats, str]:
-    """Replay the held-out part of each partition with the model and the baseline.
-    Returns the mark-outs, the prediction's counts and where it ran (a Dask worker's
-    address, or "" in the flow's process)."""
+    """Replay the fold's test part with the fold's model and the baseline (`outputs`:
+    the fold's partitions, its training part giving the thresholds). Returns the
+    mark-outs, the prediction's counts and where it ran (a Dask worker's address, or ""
+    in the flow's process)."""
     predictor = predictor_for(model_url)
-    merged = replay_all(predictor, read_outputs(stage, outputs), config, stage.holdout_fraction)
+    merged = replay_all(predictor, read_outputs(stage, outputs), config, fold)
     return merged, predictor.stats, worker_address()

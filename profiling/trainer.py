@@ -43,8 +43,8 @@ from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.profiling.rungs import Switches
 from quantloop.profiling.workload import TrainingSet, Windows
 from quantloop.tasks.features import FeatureParams, feature_set
+from quantloop.tasks.folds import Fold, split_fold
 from quantloop.tasks.schema import Partition
-from quantloop.tasks.simulation import split_train_test
 from quantloop.tasks.sites import worker_address
 from quantloop.tasks.stage import FeatureOutput, StageParams, read_outputs
 from quantloop.tasks.training import (
@@ -127,26 +127,29 @@ def fit_stage(
     config: TrainConfig,
     plan: Plan,
     outputs: Mapping[Partition, FeatureOutput],
+    fold: Fold,
 ) -> tuple[TrainResult, str]:
-    """Read the feature outputs and train: the train stage's work, wherever it runs.
-    Returns the result and where it ran: the Dask worker's address, or "" in the flow's
-    process."""
+    """Read the feature outputs of the fold's training part and train the fold's model:
+    the train stage's work, wherever it runs. Returns the result and where it ran: the
+    Dask worker's address, or "" in the flow's process."""
     tables = read_outputs(stage, outputs)
-    result = train_on_features(tables, stage.features, stage.holdout_fraction, config, plan)
+    result = train_on_features(tables, stage.features, fold, config, plan)
     return result, worker_address()
 
 
 def train_on_features(
     tables: Mapping[Partition, pa.Table],
     features: FeatureParams,
-    holdout_fraction: float,
+    fold: Fold,
     cfg: TrainConfig,
     plan: Plan,
 ) -> TrainResult:
-    """What the train stage fits: the training part of each partition's feature table
-    (the held-out part is never read), with `plan`'s rungs."""
-    train_parts, _ = split_train_test(dict(tables), holdout_fraction)
+    """What the train stage fits for `fold`: the fold's training part of the partitions'
+    feature tables (tasks/folds.split_fold: its training dates, or the rows before an
+    intraday cut with the labels that reach it purged; nothing of its test window or
+    embargo is read), with `plan`'s rungs."""
     layout = feature_set(features)
+    train_parts, _ = split_fold(tables, fold, layout.labels)
     return train_applied(list(train_parts.values()), layout.inputs, layout.labels, cfg, plan)
 
 

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from quantloop.tasks import uncertainty
+from quantloop.tasks.folds import Fold, WalkForward, folds, split_fold
 from quantloop.tasks.schema import Partition
 
 _LABEL_RE = re.compile(r"^label_(\d+)$")
@@ -483,15 +484,21 @@ def replay_all(
     predict: Callable[[pa.Table], np.ndarray],
     tables: Mapping[Partition, pa.Table],
     config: SimConfig,
-    holdout_fraction: float,
+    fold: Fold | float,
 ) -> dict[str, dict[str, pa.Table]]:
-    """Mark-outs by signal ("model", "baseline") and product, over the held-out data of
-    each partition's feature table; the model's predictions (bps, [rows, labels]) come
-    from `predict` (profiling.inference: the fast path on a GPU for a model trained with
-    packing, tasks.training.predict otherwise)."""
-    train_parts, test_parts = split_train_test(tables, holdout_fraction)
+    """Mark-outs by signal ("model", "baseline") and product over one fold's test part
+    (tasks/folds.split_fold: its test dates, or the end of each day for an intraday
+    fold), each signal trading at a threshold from the fold's training part; a `fold`
+    column holds the fold's index, a `day` column the date. The model's predictions (bps,
+    [rows, labels]) come from `predict` (profiling.inference: the fast path on a GPU for
+    a model trained with packing, tasks.training.predict otherwise), a model that must
+    not have trained on the test part. A float `fold` is the single split of that
+    held-out share (split_train_test's)."""
+    if not isinstance(fold, Fold):
+        (fold,) = folds({p.date for p in tables}, WalkForward(holdout_fraction=fold))
+    train_parts, test_parts = split_fold(tables, fold)
     marks: dict[str, dict[str, list[pa.Table]]] = {"model": {}, "baseline": {}}
-    for product in sorted({p.product for p in tables}):
+    for product in sorted({p.product for p in test_parts}):
         train_tables = [t for p, t in train_parts.items() if p.product == product]
         test = [(p, t) for p, t in sorted(test_parts.items()) if p.product == product]
         signals = {
@@ -506,8 +513,11 @@ def replay_all(
             for part, table in test:
                 trades = simulate(table, signal_of(table), threshold, config)
                 marked = markout(trades, table, config)
-                day = pa.array([part.date.isoformat()] * marked.num_rows, pa.string())
-                marks[name].setdefault(product, []).append(marked.append_column("day", day))
+                n = marked.num_rows
+                day = pa.array([part.date.isoformat()] * n, pa.string())
+                marked = marked.append_column("day", day)
+                marked = marked.append_column("fold", pa.array([fold.index] * n, pa.int64()))
+                marks[name].setdefault(product, []).append(marked)
     return {
         name: {p: pa.concat_tables(ts) for p, ts in by_product.items()}
         for name, by_product in marks.items()

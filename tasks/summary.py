@@ -65,9 +65,21 @@ class ResearchSummary(BaseModel):
     per_product: dict[str, dict] = Field(
         description="Per product: {'model': stats, 'baseline': stats} (count, mean_bps, hit_rate)."
     )
-    model_cached: bool
-    simulation_cached: bool
-    model_digest: str
+    model_cached: bool = Field(description="Every fold's model was found by its key.")
+    simulation_cached: bool = Field(description="Every fold's simulation was found by its key.")
+    folds: int = Field(
+        default=1,
+        description="Walk-forward folds: models trained, each replayed on its own test window "
+        "(the mark-outs above pool them).",
+    )
+    per_fold: list[dict] = Field(
+        default_factory=list,
+        description="Per fold, oldest first: index (its place on the walk-forward grid), "
+        "train / embargo / test ({first, last, dates}), holdout_fraction (the intraday cut, "
+        "None for whole dates), trades, baseline_trades, markout_bps (the model's, by "
+        "horizon), model_digest, model_cached, simulation_cached.",
+    )
+    model_digest: str = Field(description="The last fold's model (the most recent data).")
     model_url: str
     registered_model: str | None = Field(
         default=None, description="The MLflow registered model the trained model is a version of."
@@ -258,6 +270,36 @@ def site_table(summary: ResearchSummary) -> TextTable:
             for name, c in summary.sites.items()]  # fmt: skip
     columns = ["site", "nodes", "computed", "compute s", "bytes across", "cost"]
     return TextTable(f"placement {summary.placement}", columns, rows, [False] + [True] * 5)
+
+
+def fold_table(summary: ResearchSummary) -> TextTable:
+    """The model's mark-out on each fold's own test window: a row per fold, with the
+    dates it trained and tested on and both signals' trade counts."""
+    horizons = list(summary.markout_bps)
+
+    def span(part: dict) -> str:
+        if not part:
+            return ""
+        if part["dates"] == 1:
+            return part["first"]
+        return f"{part['first']}..{part['last']} ({part['dates']})"
+
+    rows = []
+    for row in summary.per_fold:
+        test = span(row["test"])
+        if row.get("holdout_fraction") is not None:
+            test += f" last {row['holdout_fraction']:.0%}"
+        curve = row["markout_bps"]
+        rows.append([str(row["index"]), span(row["train"]), test, f"{row['trades']:,}",
+                     f"{row['baseline_trades']:,}",
+                     *(_bps(curve.get(h, math.nan)) for h in horizons)])  # fmt: skip
+    columns = ["fold", "train", "test", "trades", "baseline", *horizons]
+    return TextTable(
+        "Model mark-out per fold (bps, each on its own test window)",
+        columns,
+        rows,
+        [False, False, False] + [True] * (len(columns) - 3),
+    )
 
 
 def product_table(summary: ResearchSummary) -> TextTable:

@@ -56,6 +56,12 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     first = research(params)
 
     assert first.nodes == 6 and first.computed == 6 and first.cache_hits == 0
+    # The default validation: two walk-forward folds, each testing one date on a model
+    # trained on every date before it; the run's mark-out pools their test windows.
+    assert first.folds == 2 and [r["index"] for r in first.per_fold] == [0, 1]
+    assert [(r["train"]["dates"], r["test"]["first"]) for r in first.per_fold] == [
+        (1, "2026-03-03"), (2, "2026-03-04")]  # fmt: skip
+    assert sum(r["trades"] for r in first.per_fold) == first.trades
     assert set(first.markout_bps) == {"1s", "5s", "30s", "60s", "300s", "10ev", "100ev"}
     assert first.trades > 0 and first.baseline_trades > 0
     assert first.tracking_uri == mlflow_uri
@@ -204,14 +210,22 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     runner = CliRunner(env={"COLUMNS": "400"})
     out = runner.invoke(app, ["nodes", "--home", home, "--computed", "--json"])
     assert out.exit_code == 0, out.output
-    rows = json.loads(out.output)
+    rows = sorted(json.loads(out.output), key=lambda r: r["date"])
     assert {r["product"] for r in rows} == {"SYNB"} and len(rows) == 3
-    out = runner.invoke(app, ["nodes", "--home", home, "--lineage", rows[0]["key"][:20]])
-    assert out.exit_code == 0, out.output
-    lineage = json.loads(out.output)
-    assert lineage["params"]["ofi_window"] == 20
-    assert lineage["inputs"][0]["dataset"] == "synthetic"
-    assert [m["model_digest"] for m in lineage["used_by_models"]] == [changed.model_digest]
+    # Two walk-forward folds on three dates: the first date trains both folds' models, the
+    # second the last fold's (the registered one), the third is only tested on.
+    first_fold, last_fold = changed.per_fold
+    used_by = []
+    for row in rows:
+        out = runner.invoke(app, ["nodes", "--home", home, "--lineage", row["key"][:20]])
+        assert out.exit_code == 0, out.output
+        lineage = json.loads(out.output)
+        assert lineage["params"]["ofi_window"] == 20
+        assert lineage["inputs"][0]["dataset"] == "synthetic"
+        used_by.append(sorted(m["model_digest"] for m in lineage["used_by_models"]))
+    assert used_by == [sorted([first_fold["model_digest"], changed.model_digest]),
+                       [changed.model_digest], []]  # fmt: skip
+    assert last_fold["model_digest"] == changed.model_digest
     out = runner.invoke(app, ["nodes", "--home", home, "--product", "SYNA", "--all-runs"])
     assert out.exit_code == 0 and "9 of 18 nodes match" in out.output
 
@@ -228,6 +242,67 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     train = {**TINY["train"], "optimizations": "none"}
     plain = research(tiny_params(tmp_path / "home", mlflow_uri, train=train))
     assert plain.model_cached and plain.model_digest == first.model_digest
+
+
+@pytest.mark.slow
+def test_walk_forward_reruns_from_cache_and_a_new_day_adds_one_fold(
+    prefect_api, mlflow_uri, tmp_path
+):
+    """Every fold's model and simulation are found by key on a re-run; with as many folds
+    as fit, one more day adds one fold and the earlier folds' models and simulations are
+    cache hits, with the same digests and mark-outs."""
+
+    def run(n_dates: int):
+        return research(ResearchParams.model_validate({
+            "workspace": {"home": str(tmp_path / "home"), "tracking_uri": mlflow_uri},
+            "data": {"products": ["SYNA"], "n_dates": n_dates,
+                     "synthetic": {"events_per_day": 2_000, "levels": 2}},
+            "train": {"steps": 5, "batch_size": 32, "log_every": 5, "optimizations": "none"},
+            "validation": {"folds": None, "test_dates": 1},
+        }))  # fmt: skip
+
+    def results(rows: list[dict]) -> list[dict]:  # what a fold gave, not whether it was cached
+        return [{k: v for k, v in r.items() if not k.endswith("_cached")} for r in rows]
+
+    first = run(3)
+    assert first.folds == 2 and not first.model_cached and not first.simulation_cached
+    again = run(3)
+    assert again.computed == 0 and again.model_cached and again.simulation_cached
+    assert all(r["model_cached"] and r["simulation_cached"] for r in again.per_fold)
+    assert results(again.per_fold) == results(first.per_fold)
+    assert again.markout_bps == first.markout_bps
+    more = run(4)
+    assert more.folds == 3 and more.computed == 1  # the new day's feature node
+    old, new = more.per_fold[:2], more.per_fold[2]
+    assert [(r["model_cached"], r["simulation_cached"]) for r in old] == [(True, True)] * 2
+    assert results(old) == results(first.per_fold)  # the same windows, models, mark-outs
+    assert (new["index"], new["test"]["first"], new["train"]["dates"]) == (2, "2026-03-05", 3)
+    assert not new["model_cached"] and not new["simulation_cached"]
+    assert more.model_digest == new["model_digest"] != first.model_digest
+    assert sum(r["trades"] for r in more.per_fold) == more.trades
+
+    # MLflow: per-fold figures in batches on the stage runs, the folds' window params, the
+    # last fold's model as the registered version, the fold of every stored mark-out.
+    client = MlflowClient(mlflow_uri)
+    parent = client.get_run(more.mlflow_run_id)
+    assert parent.data.params["validation.folds"] == "None"
+    assert parent.data.params["validation.test_dates"] == "1" and parent.data.params["folds"] == "3"
+    stages = children(client, more.mlflow_run_id)
+    train = stages["train"].data
+    assert [train.metrics[f"fold{k}.cache_hit"] for k in range(3)] == [1.0, 1.0, 0.0]
+    assert train.metrics["fold2.final_loss"] == train.metrics["final_loss"]
+    assert json.loads(train.tags["fold_window"])["test"] == ["2026-03-05", "2026-03-05", 1]
+    version = client.get_model_version(more.registered_model, more.model_version)
+    assert version.tags["model_digest"] == more.model_digest
+    sim = stages["simulate"].data
+    assert sim.metrics["fold2.trades"] == new["trades"]
+    marks = pq.read_table(client.download_artifacts(
+        stages["simulate"].info.run_id, "markouts/markouts.parquet", str(tmp_path)))  # fmt: skip
+    assert sorted(set(marks["fold"].to_pylist())) == [0, 1, 2]
+    by_fold = marks.filter(pc.equal(marks["signal_name"], "model")).group_by("fold").aggregate(
+        [("fold", "count")]).to_pylist()  # fmt: skip
+    assert {r["fold"]: r["fold_count"] for r in by_fold} == {
+        r["index"]: r["trades"] for r in more.per_fold if r["trades"]}  # fmt: skip
 
 
 @pytest.mark.slow

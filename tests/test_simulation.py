@@ -480,3 +480,54 @@ def test_pnl_sums_net_markouts_per_day_with_the_totals_se():
     assert out["days"] == {"2026-03-02": pytest.approx(3.0), "2026-03-03": pytest.approx(-2.5)}
     assert out["total_bps"] == pytest.approx(0.5)
     assert out["horizon"] == "5s" and math.isnan(out["se_bps"]) and out["insufficient"]
+
+
+def test_replay_all_replays_a_folds_test_window_at_its_training_parts_threshold():
+    """Each fold's replay: its test dates only, each signal's threshold from its training
+    dates (other dates, the embargo's and later ones, change nothing), a `fold` column;
+    a float is the single split of that share, as before the folds."""
+    from quantloop.tasks.folds import WalkForward, folds
+    from quantloop.tasks.simulation import replay_all
+
+    days = [dt.date(2026, 3, 2) + dt.timedelta(days=i) for i in range(4)]
+    tables = {Partition(x, d): compute_features(random_book(600, seed=i), FeatureParams())
+              for i, (x, d) in enumerate((x, d) for x in ("AAA", "BBB") for d in days)}  # fmt: skip
+
+    def predict(table: pa.Table) -> np.ndarray:  # a "model": the book's own flow imbalance
+        return table.column("ofi").to_numpy(zero_copy_only=False)[:, None]
+
+    cfg = SimConfig()
+    fold = folds(days, WalkForward(folds=None, test_dates=1, embargo_dates=1))[0]
+    assert [fold.train_dates, fold.embargoed, fold.test_dates] == [(d,) for d in days[:3]]
+    merged = replay_all(predict, tables, cfg, fold)
+    assert all(sorted(merged[n]) == ["AAA", "BBB"] for n in merged)
+    assert min(t.num_rows for n in merged for t in merged[n].values()) > 0
+    for name in ("model", "baseline"):
+        for product, marks in merged[name].items():
+            assert set(marks["day"].to_pylist()) == {"2026-03-04"}
+            assert set(marks["fold"].to_pylist()) == {0}
+            train = tables[Partition(product, days[0])]
+            test = tables[Partition(product, days[2])]
+            signal = predict if name == "model" else baseline_signal
+            threshold = thresholds_from(signal(train), cfg)
+            expected = markout(simulate(test, signal(test), threshold, cfg), test, cfg)
+            assert_same(marks.drop_columns(["day", "fold"]), expected)
+    only_fold = {p: t for p, t in tables.items() if p.date in (days[0], days[2])}
+    assert_same_markouts(replay_all(predict, only_fold, cfg, fold), merged)
+    (single,) = folds(days, WalkForward(holdout_fraction=0.3))
+    assert_same_markouts(replay_all(predict, tables, cfg, 0.3),
+                         replay_all(predict, tables, cfg, single))  # fmt: skip
+
+
+def assert_same(a: pa.Table, b: pa.Table) -> None:
+    # pa.Table.equals treats NaN as unequal to itself (a mark-out past the close is NaN)
+    assert a.column_names == b.column_names and a.num_rows == b.num_rows
+    for name in a.column_names:
+        np.testing.assert_array_equal(a[name].to_numpy(), b[name].to_numpy())
+
+
+def assert_same_markouts(a: dict, b: dict) -> None:
+    assert {n: sorted(t) for n, t in a.items()} == {n: sorted(t) for n, t in b.items()}
+    for name, by_product in a.items():
+        for product, table in by_product.items():
+            assert_same(table, b[name][product])
