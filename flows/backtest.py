@@ -184,7 +184,7 @@ def backtest_stage(
     return StageParams.model_validate({
         "workspace": workspace, "selection": selection, "features": recipe.features,
         "product_features": recipe.product_features,
-        "holdout_fraction": recipe.holdout_fraction,
+        "validation": recipe.validation,
     })  # fmt: skip
 
 

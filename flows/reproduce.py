@@ -1,25 +1,29 @@
 """The `reproduce` flow: re-run a research run's results from their recorded inputs,
 parameters and code, compare, and record the reproduction failure rate on the run.
 
-What is re-run: a sample of its feature nodes (or all), the model (same seed, data and
-rungs: the same weights digest on the same device class) and the simulation with the
-recorded model (mark-outs within MARKOUT_TOLERANCE_BPS). Nothing is read from or
-written to the cache: outputs are computed in this process and compared by digest.
+What is re-run: a sample of its feature nodes (or all), each walk-forward fold's model
+(one check each; same seed, data and rungs: the same weights digest on the same device
+class) and the simulation with the recorded models, each fold's on its own test window,
+pooled (mark-outs within MARKOUT_TOLERANCE_BPS). Nothing is read from or written to the
+cache: outputs are computed in this process and compared by digest.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 import torch
 from prefect import flow, get_run_logger
 from pydantic import TypeAdapter
 
+from quantloop.flows.simulate import pooled
 from quantloop.profiling import inference, trainer
 from quantloop.profiling.proof import plan_rungs
 from quantloop.tasks import progress, runs, storage, tracking
 from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.folds import Fold
 from quantloop.tasks.planning import feature_kind
 from quantloop.tasks.reproduce import (
     Check,
@@ -31,7 +35,14 @@ from quantloop.tasks.reproduce import (
     sample_rows,
 )
 from quantloop.tasks.simulation import SimConfig, replay_all, summarize
-from quantloop.tasks.stage import StageParams, feature_outputs
+from quantloop.tasks.stage import (
+    StageParams,
+    feature_outputs,
+    fold_of,
+    fold_part,
+    plan_folds,
+    training_part,
+)
 from quantloop.tasks.train_config import TrainConfig
 from quantloop.tasks.training import load_model, resolve_device
 from quantloop.tasks.workspace import Workspace
@@ -82,60 +93,57 @@ def reproduce(
 
 
 def _models(client, research, stages) -> list[Check]:
-    """The model trained again, and the simulation replayed with the recorded model."""
+    """Every fold's model trained again, and the simulation replayed with the recorded
+    models, each fold's on its own test window, pooled as the run pooled them."""
     resolved = json.loads(runs.read_artifact(client, research.info.run_id,
                                              "params/resolved_params.json"))  # fmt: skip
     params = resolved["params"]
-    stage = StageParams(
-        workspace=Workspace.model_validate(json.loads(research.data.tags[tracking.WORKSPACE_TAG])),
-        selection=resolved["selection"], features=params["features"],
-        product_features=params["product_features"],
-        holdout_fraction=params["holdout_fraction"],
-    )  # fmt: skip
+    workspace = json.loads(research.data.tags[tracking.WORKSPACE_TAG])
+    stage = StageParams.model_validate({
+        "workspace": Workspace.model_validate(workspace),
+        "selection": resolved["selection"], "features": params["features"],
+        "product_features": params["product_features"],
+        # a run from before the folds has holdout_fraction (the single split) instead
+        **{k: params[k] for k in ("validation", "holdout_fraction") if k in params},
+    })  # fmt: skip
     config = TypeAdapter(TrainConfig).validate_python(params["train"])
-    train_tags = stages["train"].data.tags
-    key, recorded_digest = train_tags["model_key"], train_tags["model_digest"]
-    model_url = stages["simulate"].data.params["model_url"]
-    checks = []
+    models = recorded_folds(client, stages, stage)
     try:
         outputs = feature_outputs(stage)
     except LookupError as exc:
-        return [Check("model", key, "model", False, f"input gone: {exc}", recorded_digest, "")]
-    lineage = json.loads(
-        storage.read_bytes(
-            storage.join(research.data.tags[tracking.STORE_TAG], "lineage", "models", f"{key}.json")
+        return [Check("model", m.key, f"model fold {m.fold.index}", False, f"input gone: {exc}",
+                      m.digest, "") for m in models]  # fmt: skip
+    root = research.data.tags[tracking.STORE_TAG]
+    train_run = stages["train"].data
+    rungs = [r for r in train_run.tags.get("rungs", "none").split(",") if r and r != "none"]
+    device = resolve_device(config.device)
+    trained_on = train_run.params.get("train.device", "auto")
+    plan = plan_rungs(tuple(rungs) if rungs else "none", device, head_dim=config.head_dim)
+    checks = []
+    for m in models:
+        parts = training_part(outputs, m.fold)
+        label = f"model fold {m.fold.index}"
+        lineage = json.loads(
+            storage.read_bytes(storage.join(root, "lineage", "models", f"{m.key}.json"))
         )
-    )
-    if sorted(o.key for o in outputs.values()) != lineage["feature_keys"]:
-        checks.append(
-            Check(
-                "model",
-                key,
-                "model",
-                False,
-                "inputs changed since (other feature nodes in the catalog's current versions)",
-                recorded_digest,
-                "",
-            )
-        )
-    else:
-        rungs = [r for r in train_tags.get("rungs", "none").split(",") if r and r != "none"]
-        device = resolve_device(config.device)
-        trained_on = stages["train"].data.params.get("train.device", "auto")
-        plan = plan_rungs(tuple(rungs) if rungs else "none", device, head_dim=config.head_dim)
+        if sorted(o.key for o in parts.values()) != lineage["feature_keys"]:
+            checks.append(Check("model", m.key, label, False, "inputs changed since (other "
+                                "feature nodes in the catalog's current versions)", m.digest,
+                                ""))  # fmt: skip
+            continue
 
-        def weights() -> str:
-            tables = {p: o.read() for p, o in outputs.items()}
-            return trainer.train_on_features(tables, stage.features, stage.holdout_fraction,
-                                             config, plan).model_digest  # fmt: skip
+        def weights(parts=parts, fold=m.fold) -> str:
+            tables = {p: o.read() for p, o in parts.items()}
+            return trainer.train_on_features(tables, stage.features, fold, config,
+                                             plan).model_digest  # fmt: skip
 
-        check = check_value("model", key, f"model on {device.type}", recorded_digest, weights)
-        recorded_device = torch.device(load_model(model_url).device).type
+        check = check_value("model", m.key, f"{label} on {device.type}", m.digest, weights)
+        recorded_device = torch.device(load_model(m.url).device).type
         if not check.reproduced and recorded_device != device.type:
-            check = Check("model", key, check.label, True,
+            check = Check("model", m.key, check.label, True,
                           f"trained on {recorded_device}, re-run on {device.type} ({trained_on}): "
                           "weights not compared bit for bit; the simulation below is",
-                          recorded_digest, check.now)  # fmt: skip
+                          m.digest, check.now)  # fmt: skip
         checks.append(check)
 
     sim_run = stages["simulate"]
@@ -144,13 +152,39 @@ def _models(client, research, stages) -> list[Check]:
                 for h in sim_config.horizon_keys()}  # fmt: skip
 
     def markouts() -> str:
-        model = load_model(model_url, device=str(resolve_device("auto")))
-        predictor = inference.Predictor(model)
-        tables = {p: o.read() for p, o in outputs.items()}
-        merged = replay_all(predictor, tables, sim_config, stage.holdout_fraction)
+        replayed = []
+        for m in models:
+            model = load_model(m.url, device=str(resolve_device("auto")))
+            tables = {p: o.read() for p, o in fold_part(outputs, m.fold).items()}
+            replayed.append(replay_all(inference.Predictor(model), tables, sim_config, m.fold))
+        merged = pooled(replayed)
         return markout_fingerprint(summarize(merged["model"])["total"]["mean_bps"])
 
     checks.append(check_value("simulation", sim_run.data.tags.get("simulation_key", ""),
                               "simulation (model mark-out)", markout_fingerprint(recorded),
                               markouts))  # fmt: skip
     return checks
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedFold:
+    fold: Fold
+    key: str  # its model's key
+    digest: str  # its model's weights digest
+    url: str  # its stored model
+
+
+def recorded_folds(client, stages, stage: StageParams) -> list[RecordedFold]:
+    """The folds a run trained, as its train run recorded them (folds/folds.json: each
+    fold's window, model key, digest and URL). A run from before the folds recorded one
+    model (tags) for the single split its stage's validation is."""
+    train_run = stages["train"]
+    try:
+        recorded = json.loads(runs.read_artifact(client, train_run.info.run_id, "folds/folds.json"))
+    except Exception:  # noqa: BLE001 - no such artifact: a run from before the folds
+        (fold,) = plan_folds(stage)
+        tags = train_run.data.tags
+        return [RecordedFold(fold, tags["model_key"], tags["model_digest"],
+                             stages["simulate"].data.params["model_url"])]  # fmt: skip
+    return [RecordedFold(fold_of(r["window"], r["index"]), r["model_key"], r["model_digest"],
+                         r["model_url"]) for r in recorded]  # fmt: skip

@@ -32,7 +32,7 @@ from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.recipe import Recipe, read_recipe, resolve_version
 from quantloop.tasks.schema import Partition
 from quantloop.tasks.simulation import SimConfig
-from quantloop.tasks.stage import StageParams
+from quantloop.tasks.stage import StageParams, plan_folds
 from quantloop.tasks.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
 from quantloop.tasks.train_config import TrainConfig
 from quantloop.tasks.workspace import Selection, Workspace
@@ -114,11 +114,13 @@ def retrain(
     selection = newest_selection(workspace, recipe, days or recipe.dates)
     stage = StageParams.model_validate({
         "workspace": workspace, "selection": selection, "features": recipe.features,
-        "product_features": recipe.product_features, "holdout_fraction": recipe.holdout_fraction,
+        "product_features": recipe.product_features, "validation": recipe.validation,
     })  # fmt: skip
+    planned = plan_folds(stage)  # folds that do not fit these days fail here, named
     site = workspace.resolve_site()
     line = (f"retraining {name} version {source.version} ({alias}) on {selection.start}.."
-            f"{selection.end} of {', '.join(selection.products or [])}")  # fmt: skip
+            f"{selection.end} of {', '.join(selection.products or [])}, "
+            f"{len(planned)} fold(s)")  # fmt: skip
     logger.info("%s", line)
     progress.note("retrain", line)
     tags = {
@@ -137,7 +139,7 @@ def retrain(
         # The recipe again, in the research run's shape: a retrained version is a
         # recipe too (its next retrain, backtest and promotion read it from here).
         form = {"features": recipe.features, "product_features": recipe.product_features,
-                "holdout_fraction": recipe.holdout_fraction, "simulation": recipe.simulation,
+                "validation": recipe.validation, "simulation": recipe.simulation,
                 "train": recipe.train}  # fmt: skip
         parent.json({"params": form, "selection": selection.model_dump(mode="json"),
                      "dates": len(set(selection.table(workspace.catalog())["date"].to_pylist())),
@@ -150,7 +152,8 @@ def retrain(
                        rows=selection.table(workspace.catalog()).num_rows)  # fmt: skip
         features_flow(stage, parent_run_id=parent.run_id)
         trained = train_flow(stage, train, parent_run_id=parent.run_id)
-        simulated = simulate_flow(trained.model_url, stage, sim, parent_run_id=parent.run_id)
+        simulated = simulate_flow([f.model_url for f in trained.folds], stage, sim,
+                                  parent_run_id=parent.run_id)  # fmt: skip
         # New only if this run registered it: the same model (the same key: the same recipe
         # and days) is found with the version it was first registered as, maybe by
         # a research run on these days.

@@ -5,6 +5,12 @@ retrain run), whose `params/resolved_params.json` holds the form as run and the 
 selection; the version's own `train_config` tag is the training config exactly as the
 model was trained. Retraining takes this recipe to newer data; a backtest takes its
 feature parameters, so the model reads the features it was trained on.
+
+The version is the model of a run's last walk-forward fold (trained on its most recent
+data); the recipe's `validation` is the folds the run made, and the version's
+`fold_window` tag the window of its own fold. A run from before the folds, whose form
+has a top-level `holdout_fraction`, made the single split: its validation reads as that
+(tasks/form.holdout_into_validation).
 """
 
 from __future__ import annotations
@@ -12,13 +18,15 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
+from pydantic import TypeAdapter
 
 from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.form import ValidationForm, holdout_into_validation
 from quantloop.tasks.runs import read_artifact
 
 RESOLVED_PARAMS = "params/resolved_params.json"  # what a research (or retrain) run logs
@@ -66,7 +74,7 @@ class Recipe:
     train: dict[str, Any]  # TrainConfig, as trained (the version's train_config tag)
     features: dict[str, Any]  # FeatureParams
     product_features: dict[str, dict]
-    holdout_fraction: float
+    validation: dict[str, Any]  # WalkForward: the folds its run trained one model for each
     simulation: dict[str, Any]  # SimConfig
     dataset: str
     products: list[str]
@@ -75,7 +83,7 @@ class Recipe:
     def digest_fields(self) -> dict[str, Any]:
         """What makes the recipe, without which model it belongs to: two versions with
         equal digest_fields were made the same way (on maybe other data)."""
-        fields = ("train", "features", "product_features", "holdout_fraction", "simulation",
+        fields = ("train", "features", "product_features", "validation", "simulation",
                   "dataset", "products", "dates")  # fmt: skip
         return {f: getattr(self, f) for f in fields}
 
@@ -118,9 +126,17 @@ def read_recipe(
         train=json.loads(tags["train_config"]),
         features=params["features"],
         product_features=params.get("product_features") or {},
-        holdout_fraction=params["holdout_fraction"],
+        validation=validation_of(params),
         simulation=params["simulation"],
         dataset=selection["dataset"],
         products=list(selection.get("products") or []),
         dates=int(dates),
     )
+
+
+def validation_of(params: dict[str, Any]) -> dict[str, Any]:
+    """A run's validation (every WalkForward field) from its resolved form; a form from
+    before the folds gives the single split its holdout_fraction made."""
+    given = holdout_into_validation(params).get("validation")
+    adapter = TypeAdapter(ValidationForm)
+    return asdict(adapter.validate_python({} if given is None else given))

@@ -21,6 +21,7 @@ TINY = {
     "data": {"products": ["SYNA"], "n_dates": 2,
              "synthetic": {"events_per_day": 3_000, "levels": 2}},
     "train": {"steps": 20, "batch_size": 64, "optimizations": "none"},
+    "validation": {"folds": 1},  # two dates fit one walk-forward fold
 }  # fmt: skip
 
 

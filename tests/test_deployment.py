@@ -51,6 +51,7 @@ def tiny_params(home: Path, tracking_uri: str) -> dict:
                 "synthetic": {"events_per_day": 3000, "levels": 2},
             },
             "train": {"steps": 20, "batch_size": 64},
+            "validation": {"folds": 1},  # two dates fit one walk-forward fold
         }
     }
 

@@ -30,6 +30,7 @@ TINY = {
     "data": {"products": ["SYNA"], "n_dates": 2,
              "synthetic": {"events_per_day": 2_000, "levels": 2}},
     "train": {"steps": 2_000, "batch_size": 32},  # long enough to be killed mid-run
+    "validation": {"folds": 1},  # two dates fit one walk-forward fold
 }  # fmt: skip
 
 
@@ -258,6 +259,7 @@ def test_a_deployment_run_survives_a_prefect_server_restart(tmp_path):
         "data": {"products": ["SYNA"], "n_dates": 2,
                  "synthetic": {"events_per_day": 3_000, "levels": 2}},
         "train": {"steps": 600, "batch_size": 64, "optimizations": "none"},  # ~20 s
+        "validation": {"folds": 1},  # two dates fit one walk-forward fold
     }}  # fmt: skip
     restarted = threading.Event()
     stop_server = threading.Event()

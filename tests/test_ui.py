@@ -68,6 +68,7 @@ def tiny_deployments(path: Path) -> Path:
         data={"products": ["SYNA"], "n_dates": 2,
               "synthetic": {"events_per_day": 2000, "levels": 2}},
         train={"steps": 20, "batch_size": 64},
+        validation={"folds": 1},  # two dates fit one walk-forward fold
     )  # fmt: skip
     research["parameters"]["params"]["workspace"]["n_workers"] = 1
     path.write_text(yaml.safe_dump(config, sort_keys=False))
