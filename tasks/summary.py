@@ -13,6 +13,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 from pydantic import BaseModel, Field
 
+from quantloop.tasks.uncertainty import MIN_DAYS
+
 
 class ResearchSummary(BaseModel):
     """What `research` returns, `--summary-json` writes and MLflow's parent run holds."""
@@ -181,7 +183,7 @@ def _with_se(mean: float, se: float) -> str:
 def markout_table(summary: ResearchSummary) -> TextTable:
     """Mark-out (bps) of the model and the baseline per horizon, each mean ± its HAC
     standard error on the row below it, the model-minus-baseline difference on the same
-    data (paired; '*' where it survives the Holm and trials adjustment at 5%; 'n/a' where
+    data (paired; '*' on its SE where it survives the Holm and trials adjustment at 5%; 'n/a' where
     too few independent windows gave no SE), trade counts and the hit rate
     at the first horizon: the result of a run, in one table. A summary without standard
     errors (an older run's) shows the means alone."""
@@ -211,9 +213,10 @@ def markout_table(summary: ResearchSummary) -> TextTable:
         ["baseline", f"{summary.baseline_trades:,}", *means(summary.baseline_markout_bps),
          hit(summary.baseline_hit_rate)],
         ["  ± SE", "", *se_cells(summary.baseline_markout_se_bps), ""],
-        ["diff", "", *(_bps(d.get("mean_bps", math.nan))
-                               + ("*" if d.get("significant") else "") for d in paired), ""],
-        ["  ± SE", "", *(_se(d.get("se_bps", math.nan)) for d in paired), ""],
+        ["diff", "", *(_bps(d.get("mean_bps", math.nan)) for d in paired), ""],
+        # the marker goes on the SE row: the diff row's cells keep the means' width
+        ["  ± SE", "", *(_se(d.get("se_bps", math.nan)) + ("*" if d.get("significant") else "")
+                         for d in paired), ""],
     ]  # fmt: skip
     columns, numeric = _columns(["signal"], horizons)
     return TextTable(
@@ -238,9 +241,10 @@ def validity_notes(summary: ResearchSummary) -> list[str]:
         first = next(iter(summary.paired_bps.values()))
         survived = [h for h, d in summary.paired_bps.items() if d.get("significant")]
         notes.append(
-            f"model - baseline: paired on the same trades' windows; '*' = p < 0.05 after Holm "
-            f"over {len(summary.paired_bps)} horizons and {first.get('trials', 1)} trial(s) on "
-            f"this data: {', '.join(survived) if survived else 'none'}"
+            f"diff = model - baseline on the same held-out days, paired window by window; "
+            f"'*' = p < 0.05 after Holm over {len(summary.paired_bps)} horizons and "
+            f"{first.get('trials', 1)} trial(s) on this data: "
+            f"{', '.join(survived) if survived else 'none'}"
         )
     if summary.trades != summary.baseline_trades:
         equal = summary.paired_equal_count_bps
@@ -252,6 +256,13 @@ def validity_notes(summary: ResearchSummary) -> list[str]:
             + (f" the {h} difference is {_with_se(eq['mean_bps'], eq['se_bps'])} bps"
                if eq else "") + " (summary: paired_equal_count_bps)"
         )  # fmt: skip
+    days = max((len(p.get("days", {})) for p in summary.pnl.values()), default=0)
+    if 0 < days < MIN_DAYS:
+        notes.append(
+            f"SEs are within-day: {days} test day(s) cannot show how a signal's level moves "
+            f"from day to day (from {MIN_DAYS} days on, day clusters are in the SE; "
+            "bench/results/validity.md: with two days the baseline's 1 s SE was 1.9x too small)"
+        )
     for name, p in summary.pnl.items():
         if p.get("days"):
             notes.append(
