@@ -175,7 +175,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     # fit the dates fail here, naming the validation's fields.
     planned = plan_folds(stage)
     shown = planned if len(planned) <= 4 else [planned[0], planned[-1]]
-    feedback.note("validation", f"{len(planned)} fold(s): "
+    progress.note("validation", f"{len(planned)} fold(s): "
                   + (" ... " if len(shown) < len(planned) else "; ").join(
                       f"fold {f.index}: {describe(f)}" for f in shown))  # fmt: skip
     tags = {

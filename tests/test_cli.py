@@ -73,7 +73,9 @@ def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(tmp_path):
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-4000:]
     for line in ("data: 2 partitions of synthetic: 2 new", "features: 2 nodes",
-                 "train: trained on", "simulate: ", "Mark-out on held-out data"):  # fmt: skip
+                 "validation: 1 fold(s): fold 0: train 2026-03-02, test 2026-03-03",
+                 "train: fold 0 (train 2026-03-02, test 2026-03-03): trained on", "simulate: ",
+                 "Mark-out on held-out data"):  # fmt: skip
         assert line in console, line
     assert "distributed." not in console and "| INFO" not in console, console
     assert "Creating initial MLflow database tables" not in console

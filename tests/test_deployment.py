@@ -62,7 +62,7 @@ def test_prefect_yaml_entrypoints_load_and_parameters_validate():
         flow = load_flow_from_entrypoint(str(REPO_ROOT / d.entrypoint))
         params = dict(d.parameters)
         if flow.name == "simulate":
-            params["model_url"] = "s3://bucket/models/x.pt"  # required; given per run
+            params["model_urls"] = ["s3://bucket/models/x.pt"]  # required; given per run
         flow.validate_parameters(params)  # raises on an unknown or ill-typed field
         pools[d.full_name] = d.pool
     assert pools == {
