@@ -93,7 +93,9 @@ def two_sites(clusters, s3_endpoint, tmp_path):
 
 
 def stage_of(ws: Workspace, **update) -> StageParams:
-    return StageParams(workspace=ws.model_copy(update=update), selection=Selection())
+    # two dates: one walk-forward fold, trained on the first and tested on the second
+    return StageParams(workspace=ws.model_copy(update=update), selection=Selection(),
+                       validation={"folds": 1})  # fmt: skip
 
 
 def rows_of(summary) -> list[dict]:
@@ -155,11 +157,15 @@ def test_each_node_runs_at_the_site_holding_its_input(prefect_api, two_sites, tm
     assert trained.site == "B" and trained.worker in gpu_workers and not trained.cache_hit
     trained_one = train(stage_of(one), TINY)
     assert trained.model_digest == trained_one.model_digest
-    # What training at B read from A (A's products' features) is counted, to the byte.
+    # What training at B read from A (A's products' features on the fold's training date:
+    # nothing of the test date is read) is counted, to the byte.
     at_a = sum(r["output_length"] for r in rows if r["product"] in AT_A)
-    assert trained.bytes_across == at_a > 0 and trained_one.bytes_across == 0
+    at_a_train = sum(r["output_length"] for r in rows
+                     if r["product"] in AT_A and r["date"] == DATES[0].isoformat())  # fmt: skip
+    assert trained.bytes_across == at_a_train > 0 and trained_one.bytes_across == 0
 
-    # Simulation replays at B too, next to training; the same mark-outs as one site's.
+    # Simulation replays at B too, next to training; the same mark-outs as one site's. It
+    # reads the fold's training date (for the thresholds) and its test date: both of A's.
     sim = simulate(trained.model_url, stage_of(ws))
     assert (sim.site, sim.cache_hit) == ("B", False) and sim.worker in gpu_workers
     model_bytes = storage.size(trained.model_url)  # stored at the default site, A
