@@ -2,62 +2,237 @@
 when its gates pass; every decision, passed or refused, is recorded on the version.
 
 Gates:
-- mark-out: the candidate's out-of-sample mean mark-out at `horizon` is not worse than
-  the current champion's beyond their standard errors (candidate >= champion -
-  sqrt(se_c^2 + se_ch^2)); passes when there is no champion yet. Each is measured on
-  its own run's held-out data.
+- mark-out: the candidate and the model it would replace are replayed on one held-out
+  window that neither was trained on (tasks/window.py): what the candidate held out (the
+  test part of the fold its lineage record names: whole dates, or the end of one day)
+  minus what the champion trained on (the training part of its own lineage's fold).
+  Each model reads the features it was trained on (its run's feature parameters, found
+  or computed by the features flow, the champion's on the window through a backtest's
+  stage) and trades by the candidate run's simulation config, at a threshold from its
+  own training part, as replay_all does. The test is tasks/gate.py's one-sided paired
+  HAC t test of candidate minus champion > min_improvement_bps at `horizon`, its p-value
+  adjusted (Sidak) for the trials on the same data pin and held-out window
+  (tasks/runs.py count_trials). With no champion yet, the first one must beat the
+  baseline signal (top-of-book imbalance) the same way, on the candidate's held-out
+  part. An empty window, or too few effective horizon windows, is a refusal, never a
+  pass.
 - reproduction: the `reproduce` flow re-runs a sample of the run's nodes, its model and
   its simulation, and none fails.
 - ladder: a model trained with GPU optimizations applied only rungs that the ladder
   result it relied on proved equivalent; passes for a model trained without them.
-Promotion time is measured from the end of the research run to the alias moving.
+The version records the decision: `promotion.decision`, `promotion.gates` (every gate's
+values, JSON), `promotion.markout.<field>` (the test, alpha, margin, windows, n_eff,
+statistic, p-values raw and adjusted, trials, both trade counts, why) and
+`promotion.markout.window`, and `promotion.history`. Promotion time is measured from the
+end of the research run to the alias moving.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
 import time
+from typing import Annotated
 
+import pyarrow as pa
+from mlflow.entities import Run
 from prefect import flow, get_run_logger
+from pydantic import Field, TypeAdapter
 
+from quantloop.flows.backtest import backtest_stage
+from quantloop.flows.features import features as features_flow
 from quantloop.flows.reproduce import reproduce
-from quantloop.tasks import progress, runs, tracking
-from quantloop.tasks.workspace import Workspace
+from quantloop.profiling.replay import predictor_for
+from quantloop.tasks import progress, runs, storage, tracking
+from quantloop.tasks.folds import split_fold
+from quantloop.tasks.gate import GateConfig, GateResult, paired_gate
+from quantloop.tasks.recipe import RESOLVED_PARAMS, read_recipe
+from quantloop.tasks.schema import Partition
+from quantloop.tasks.simulation import SimConfig, baseline_signal
+from quantloop.tasks.stage import StageParams, feature_outputs, read_outputs
+from quantloop.tasks.uncertainty import Sample, window_seconds
+from quantloop.tasks.window import (
+    Window,
+    held_out_id,
+    lineage_fold,
+    replay_window,
+    shared_window,
+)
+from quantloop.tasks.workspace import Selection, Workspace
 
 ALIAS = "champion"
 
+Horizon = Annotated[
+    str,
+    Field(
+        pattern=r"^[0-9]+(\.[0-9]+)?(s|ev)$",
+        description="Mark-out horizon the gate tests: a horizon of the candidate run's "
+        "simulation, in seconds ('5s') or order-book events ('100ev').",
+    ),
+]
+Alpha = Annotated[
+    float,
+    Field(
+        gt=0,
+        lt=0.5,
+        description="Significance level of the one-sided paired test, after the trials "
+        "adjustment (0 to 0.5, exclusive).",
+    ),
+]
+MinImprovement = Annotated[
+    float,
+    Field(
+        ge=0,
+        le=100,
+        description="Margin in basis points (0 to 100) by which the candidate's mean "
+        "mark-out must beat the incumbent's on the shared window.",
+    ),
+]
 
-def markout_gate(client, name: str, candidate, horizon: str, alias: str) -> dict:
-    """The candidate's mark-out against the current champion's (each from its research
-    run's simulation), with the standard errors."""
 
-    def figures(run) -> tuple[float, float]:
-        stages = runs.stage_runs(client, run)
-        m = stages["simulate"].data.metrics
-        return m[f"model.total.markout_bps.{horizon}"], m[f"model.total.markout_se_bps.{horizon}"]
+def run_stage(client, run: Run) -> tuple[StageParams, SimConfig]:
+    """A research (or retrain) run's stage, from its records: its workspace, its pinned
+    selection, its feature parameters and validation; and its simulation config."""
+    resolved = json.loads(runs.read_artifact(client, run.info.run_id, RESOLVED_PARAMS))
+    params = resolved["params"]
+    stage = StageParams.model_validate({
+        "workspace": Workspace.model_validate(json.loads(run.data.tags[tracking.WORKSPACE_TAG])),
+        "selection": resolved["selection"], "features": params["features"],
+        "product_features": params.get("product_features") or {},
+        # a run from before the folds has holdout_fraction (the single split) instead
+        **{k: params[k] for k in ("validation", "holdout_fraction") if k in params},
+    })  # fmt: skip
+    return stage, TypeAdapter(SimConfig).validate_python(params["simulation"])
 
-    mean, se = figures(candidate)
-    gate = {"horizon": horizon, "candidate_bps": mean, "candidate_se_bps": se}
+
+def feature_tables(stage: StageParams) -> tuple[dict[Partition, pa.Table], dict[Partition, str]]:
+    """The stage's feature tables, computed or found by the features flow as a
+    backtest's are, then read (each checked against its digest); and their node keys."""
+    features_flow(stage)
+    outputs = feature_outputs(stage)
+    return read_outputs(stage, outputs), {p: o.key for p, o in outputs.items()}
+
+
+def model_url(run: Run, model_key: str) -> str:
+    url = storage.join(run.data.tags[tracking.STORE_TAG], "models", f"{model_key}.pt")
+    if not storage.exists(url):
+        raise LookupError(f"model {model_key[:12]} of run {run.info.run_id} is not in its "
+                          f"store ({url})")  # fmt: skip
+    return url
+
+
+def made_from(
+    run: Run, lineage: dict, tables: dict[Partition, pa.Table], keys: dict[Partition, str]
+) -> tuple[dict[Partition, pa.Table], bool]:
+    """The tables of the partitions a model's lineage record names (from its run's stage),
+    and whether they are the features it was trained on (the same feature node keys; not
+    when the feature code has changed since)."""
+    named = set(lineage["partitions"])
+    found = {p: t for p, t in tables.items() if str(p) in named}
+    if len(found) != len(named):
+        missing = sorted(named - {str(p) for p in found})
+        raise LookupError(f"run {run.info.run_id}'s selection lacks partitions its model was "
+                          f"made from: {missing[:5]}")  # fmt: skip
+    return found, sorted(keys[p] for p in found) == sorted(lineage.get("feature_keys", []))
+
+
+def window_stage(recipe, workspace: Workspace, selection: Selection, window: Window) -> StageParams:
+    """A model's features (its recipe's parameters, as a backtest reads them) on the
+    window's partitions of the candidate's pinned data."""
+    days = sorted({p.date for p in window.start})
+    products = sorted({p.product for p in window.start})
+    stage = backtest_stage(recipe, workspace, products, days[0], days[-1])
+    return stage.model_copy(update={"selection": selection.model_copy(
+        update={"products": products, "start": days[0], "end": days[-1]})})  # fmt: skip
+
+
+def cut(tables: dict[Partition, pa.Table], window: Window) -> dict[Partition, pa.Table]:
+    """Each window partition's table from the window's first row to the day's end."""
+    out = {}
+    for p, start in window.start.items():
+        if tables[p].num_rows != window.rows[p]:
+            raise ValueError(f"{p}: {tables[p].num_rows} feature rows here, {window.rows[p]} "
+                             "in the candidate's: not the same events")  # fmt: skip
+        out[p] = tables[p].slice(start)
+    return out
+
+
+def empty_window_result(window: Window, cfg: GateConfig, against: str, trials: int) -> GateResult:
+    """The refusal when there is no window to test on: the test's fields with no trades,
+    and the window's reason as the why."""
+    empty = Sample.of([], f"markout_{cfg.horizon}")
+    result = paired_gate(empty, empty, window_seconds(cfg.horizon), cfg, against=against,
+                         trials=trials)  # fmt: skip
+    return dataclasses.replace(result, why=window.why_empty())
+
+
+def _finite(value):
+    """NaN and infinities as None: the record is JSON that any reader parses."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def markout_gate(client, name: str, candidate: Run, version, cfg: GateConfig, alias: str,
+                 logger) -> dict:  # fmt: skip
+    """Candidate against champion (or, with no champion, the baseline) on the shared
+    held-out window: the paired test's result, the window and what was compared."""
+    stage, sim = run_stage(client, candidate)
+    if cfg.horizon not in sim.horizon_keys():
+        raise ValueError(f"horizon {cfg.horizon!r} is not one of the candidate run's mark-out "
+                         f"horizons {sim.horizon_keys()}")  # fmt: skip
+    tables, _ = feature_tables(stage)
+    fold = lineage_fold(runs.model_lineage(client, candidate))  # what the candidate held out
+    train, _ = split_fold(tables, fold)
+    digest = candidate.data.tags.get("data_digest", "")
+    trials = runs.count_trials(client, candidate.info.experiment_id, digest, held_out_id(fold))
     try:
         champion = client.get_model_version_by_alias(name, alias)
-    except Exception:  # no such alias yet
-        return {**gate, "champion": None, "passed": math.isfinite(mean),
-                "why": "no champion yet" if math.isfinite(mean) else "no mark-out"}  # fmt: skip
-    champion_run = client.get_run(champion.tags["research_run_id"])
-    c_mean, c_se = figures(champion_run)
-    margin = math.sqrt(se**2 + c_se**2)
-    passed = mean >= c_mean - margin
-    return {
-        **gate,
-        "champion": champion.version,
-        "champion_bps": c_mean,
-        "champion_se_bps": c_se,
-        "margin_bps": margin,
-        "passed": passed,
-        "why": f"{mean:+.3f} {'>=' if passed else '<'} {c_mean:+.3f} - {margin:.3f} bps",
-    }
+    except Exception:  # no such alias yet: the first champion
+        champion = None
+    record: dict = {"against": "baseline" if champion is None else "champion",
+                    "champion": None if champion is None else str(champion.version)}  # fmt: skip
+    if champion is None:
+        window = shared_window(tables, fold)
+    else:
+        recipe = read_recipe(client, champion, stage.workspace.catalog())
+        champion_run = client.get_run(recipe.source_run_id)
+        champion_stage, _ = run_stage(client, champion_run)
+        lineage = runs.model_lineage(client, champion_run)
+        champion_fold = lineage_fold(lineage)
+        trained_on, record["champion_features_as_trained"] = made_from(
+            champion_run, lineage, *feature_tables(champion_stage))  # fmt: skip
+        window = shared_window(tables, fold, trained_on, champion_fold)
+    record["window"] = window.record()
+    col = f"markout_{cfg.horizon}"
+    if window.empty:
+        return {**record, **empty_window_result(window, cfg, record["against"], trials).as_dict()}
+    logger.info("mark-out gate: %s version %s against %s on %d partitions (%d events) of %s",
+                name, version.version, record["against"], len(window.start), window.events(),
+                ", ".join(record["window"]["days"]))  # fmt: skip
+    candidate_url = model_url(candidate, version.tags["model_key"])
+    ours = replay_window(predictor_for(candidate_url), train, cut(tables, window), sim)
+    if champion is None:
+        theirs = replay_window(baseline_signal, train, cut(tables, window), sim)
+    else:
+        at = window_stage(recipe, stage.workspace, stage.selection, window)
+        champion_train, _ = split_fold(trained_on, champion_fold)
+        theirs = replay_window(predictor_for(model_url(champion_run, recipe.model_key)),
+                               champion_train, cut(feature_tables(at)[0], window), sim)  # fmt: skip
+    mine, incumbent = Sample.of(list(ours.values()), col), Sample.of(list(theirs.values()), col)
+    result: GateResult = paired_gate(
+        mine, incumbent, window_seconds(cfg.horizon, [*ours.values(), *theirs.values()]), cfg,
+        against=record["against"], trials=trials,
+    )  # fmt: skip
+    means = {f"{who}_bps": float(s.values.mean()) if len(s) else math.nan
+             for who, s in (("candidate", mine), ("incumbent", incumbent))}  # fmt: skip
+    return {**record, **means, **result.as_dict()}
 
 
 def ladder_gate(version) -> dict:
@@ -72,17 +247,42 @@ def ladder_gate(version) -> dict:
             if not unproven else f"not proven equivalent: {unproven}"}  # fmt: skip
 
 
+# The mark-out gate's values, each a tag of its own on the version (promotion.markout.*).
+MARKOUT_TAGS = (
+    "against", "champion", "test", "alpha", "min_improvement_bps", "horizon", "difference_bps",
+    "se_bps", "windows", "n_eff", "statistic", "p_value", "p_adjusted", "trials",
+    "candidate_trades", "incumbent_trades", "candidate_bps", "incumbent_bps", "why",
+)  # fmt: skip
+
+
 @flow(name="promote")
 def promote(
     run: str,
-    horizon: str = "5s",
+    horizon: Horizon = "5s",
+    alpha: Alpha = 0.05,
+    min_improvement_bps: MinImprovement = 0.0,
     reproduce_sample: int = 20,
     workspace: Workspace = Workspace(),
     alias: str = ALIAS,
 ) -> dict:
     """Gate research run `run`'s model version (its MLflow or Prefect run id) and move
-    `alias` to it when every gate passes. Returns the decision with the gate values."""
+    `alias` to it when every gate passes. Returns the decision with the gate values.
+
+    Args:
+        run: The research (or retrain) run: its MLflow run id or Prefect flow run id.
+        horizon: Mark-out horizon the gate tests: a horizon of the candidate run's
+            simulation, in seconds ('5s') or order-book events ('100ev').
+        alpha: Significance level of the one-sided paired test, after the trials
+            adjustment (0 to 0.5, exclusive).
+        min_improvement_bps: Margin in basis points (0 to 100) by which the candidate's
+            mean mark-out must beat the incumbent's on the shared window.
+        reproduce_sample: Feature nodes the reproduction gate re-runs.
+        workspace: Where the tracking server is (the runs' own records say where their
+            data and outputs are).
+        alias: The alias to move.
+    """
     logger = get_run_logger()
+    cfg = GateConfig(alpha=alpha, min_improvement_bps=min_improvement_bps, horizon=horizon)
     client, _ = tracking.client_for(workspace.resolve_tracking())
     research = runs.find_research_run(client, run)
     name = research.data.tags.get("registered_model")
@@ -92,15 +292,15 @@ def promote(
     version = client.get_model_version(name, number)
     reproduced = reproduce(research.info.run_id, sample=reproduce_sample, models=True,
                            workspace=workspace)  # fmt: skip
-    gates = {
-        "markout": markout_gate(client, name, research, horizon, alias),
+    gates = _finite({
+        "markout": markout_gate(client, name, research, version, cfg, alias, logger),
         "reproduction": {
             "nodes": reproduced["nodes"],
             "failures": reproduced["failures"],
             "passed": reproduced["failures"] == 0,
-        },  # fmt: skip
+        },
         "ladder": ladder_gate(version),
-    }
+    })  # fmt: skip
     accepted = all(g["passed"] for g in gates.values())
     decided = dt.datetime.now(dt.UTC)
     decision = {
@@ -115,20 +315,26 @@ def promote(
     # Every decision is kept: the latest as tags, all of them in the history.
     history = json.loads(version.tags.get("promotion.history", "[]"))
     history.append({k: decision[k] for k in ("decision", "decided_at")}
-                   | {g: v["passed"] for g, v in gates.items()})  # fmt: skip
+                   | {g: v["passed"] for g, v in gates.items()}
+                   | {"p_adjusted": gates["markout"]["p_adjusted"]})  # fmt: skip
+    markout = gates["markout"]
     for key, value in {
         "promotion.history": json.dumps(history),
         "promotion.decision": decision["decision"],
         "promotion.gates": json.dumps(gates, sort_keys=True, default=str),
         "promotion.decided_at": decision["decided_at"],
+        **{f"promotion.markout.{k}": "" if markout.get(k) is None else markout[k]
+           for k in MARKOUT_TAGS},
+        "promotion.markout.window": json.dumps(markout["window"], sort_keys=True),
         **({"promotion.time_s": decision["promotion_time_s"]} if accepted else {}),
-    }.items():
+    }.items():  # fmt: skip
         client.set_model_version_tag(name, number, key, str(value))
     line = (
         f"{name} version {number}: {decision['decision']} ("
-        + "; ".join(f"{g}: {'passed' if v['passed'] else 'failed'}" for g, v in gates.items())
+        + "; ".join(f"{g}: passed" if v["passed"] else f"{g}: failed, {v.get('why', '')}"
+                    for g, v in gates.items())
         + ")"
-    )
+    )  # fmt: skip
     logger.info(line)
     progress.note("promote", line)
     return decision

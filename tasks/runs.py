@@ -3,6 +3,7 @@ the Prefect flow run id, whichever the auditor has."""
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 
@@ -11,7 +12,8 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from quantloop.tasks import storage
-from quantloop.tasks.tracking import PARENT_TAG
+from quantloop.tasks.tracking import PARENT_TAG, STORE_TAG
+from quantloop.tasks.window import held_out_id, lineage_fold
 
 _MLFLOW_ID = re.compile(r"^[0-9a-f]{32}$")
 # Runs with stage runs (features, train, simulate) under them: a research run, and a
@@ -54,6 +56,52 @@ def stage_runs(client: MlflowClient, research: Run) -> dict[str, Run]:
         filter_string=f"tags.`{PARENT_TAG}` = '{research.info.run_id}'",
     )
     return {r.data.tags.get("quantloop.stage", r.info.run_name): r for r in found}
+
+
+def model_lineage(client: MlflowClient, run: Run) -> dict:
+    """The lineage record (flows/train.py record_lineage) of the model a research (or
+    retrain) run registered, from the run's store; LookupError naming what is missing."""
+    name, number = run.data.tags.get("registered_model"), run.data.tags.get("model_version")
+    if not name or not number:
+        raise LookupError(f"run {run.info.run_id} registered no model version")
+    try:
+        key = client.get_model_version(name, number).tags.get("model_key", "")
+    except Exception as exc:  # MLflow's RESOURCE_DOES_NOT_EXIST: the version was deleted
+        raise LookupError(f"{name} version {number} is not at {client.tracking_uri}") from exc
+    url = storage.join(run.data.tags.get(STORE_TAG, ""), "lineage", "models", f"{key}.json")
+    try:
+        return json.loads(storage.read_bytes(url))
+    except (OSError, ValueError) as exc:
+        raise LookupError(f"{name} version {number}: its lineage record {url} is not "
+                          f"readable: {exc}") from exc  # fmt: skip
+
+
+def count_trials(client: MlflowClient, experiment_id: str, data_digest: str, window: str) -> int:
+    """How many models were tried on one test window: the finished research (and retrain)
+    runs of the experiment on the data pin `data_digest` (their `data_digest` tag) whose
+    registered model held out `window` (tasks/window.held_out_id of the fold its lineage
+    record names: the test dates and the intraday cut, which with the pin are the
+    held-out data). Runs with the same parameters (tag `params_hash`) made the same model
+    and count once. At least 1: the candidate is a trial."""
+    where = f"tags.data_digest = '{data_digest}' and attributes.status = 'FINISHED'"
+    seen: set[str] = set()
+    token = None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=where, max_results=1000,
+                                  page_token=token)  # fmt: skip
+        for run in page:
+            if run.data.tags.get("quantloop.stage") not in RESEARCH_STAGES:
+                continue
+            try:
+                held = held_out_id(lineage_fold(model_lineage(client, run)))
+            except (LookupError, KeyError, ValueError):  # no model, or no record of it
+                continue
+            if held == window:
+                seen.add(run.data.tags.get("params_hash") or run.info.run_id)
+        token = page.token
+        if not token:
+            break
+    return max(len(seen), 1)
 
 
 def artifact_files(client: MlflowClient, run_id: str, folder: str, suffix: str) -> list[str]:

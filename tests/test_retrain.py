@@ -30,6 +30,7 @@ TINY = {
     "data": {"products": ["SYNA", "SYNB"], "n_dates": 2, "start_date": START.isoformat(),
              "synthetic": SYNTHETIC},
     "train": {"steps": 20, "batch_size": 64, "optimizations": "none"},
+    "validation": {"folds": 1},  # two dates fit one walk-forward fold: train on 1, test 2
 }  # fmt: skip
 
 
@@ -72,20 +73,44 @@ def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflo
     # its run is shaped like a research run: features, train and simulate under it
     stages = runs.stage_runs(client, client.get_run(summary.mlflow_run_id))
     assert set(stages) == {"features", "train", "simulate"}
-    # so promote gates the new version as it gates a research run's: reproduction included
-    decision = promote(summary.mlflow_run_id, reproduce_sample=2, workspace=workspace)
+    # so promote gates the new version as it gates a research run's: reproduction included.
+    # Champion and candidate replay the one day neither trained on: the retrain's held-out
+    # day (the champion trained on the first day and held out the second). Margin 5 bps:
+    # a retrain of the same recipe does not beat its source by that (here: within 1 bp).
+    decision = promote(summary.mlflow_run_id, reproduce_sample=2, min_improvement_bps=5.0,
+                       workspace=workspace)  # fmt: skip
+    gate = decision["gates"]["markout"]
     assert decision["version"] == summary.new_version
     assert decision["gates"]["reproduction"]["passed"], decision["gates"]
-    assert decision["gates"]["markout"]["champion"] == first.model_version
-    moved = client.get_model_version_by_alias(name, "champion").version
-    assert moved == (summary.new_version if decision["decision"] == "promoted"
-                     else first.model_version)  # fmt: skip
+    assert (gate["against"], gate["champion"]) == ("champion", first.model_version)
+    assert gate["window"]["days"] == [newer[-1].isoformat()] and gate["window"]["excluded"] == {}
+    assert gate["window"]["events"] == 2 * SYNTHETIC["events_per_day"]
+    assert gate["trials"] == 1  # the retrain is the only run on its pinned days
+    assert gate["candidate_trades"] > 0 and gate["incumbent_trades"] > 0
+    assert abs(gate["difference_bps"]) < 5.0 and gate["p_value"] > 0.05
+    assert decision["decision"] == "refused" and ">= alpha 0.05" in gate["why"]
+    assert client.get_model_version_by_alias(name, "champion").version == first.model_version
+    tags = client.get_model_version(name, summary.new_version).tags
+    assert tags["promotion.markout.min_improvement_bps"] == "5.0"
+    assert tags["promotion.markout.why"] == gate["why"]
 
     # Nothing new landed: the same key, the same version; no copy is registered.
     again = retrain(workspace=workspace, alias=summary.new_version)
     assert again.new_version is None and again.model_cached
     assert again.version == summary.new_version
     assert len(client.search_model_versions(f"name = '{name}'")) == 2
+
+    # One day of data: the retrain holds out the end of the day (an intraday fold). The
+    # window is those rows; the champion never saw the day.
+    one_day = retrain(workspace=workspace, days=1)
+    assert (one_day.start, one_day.end) == (newer[-1], newer[-1])
+    decision = promote(one_day.mlflow_run_id, reproduce_sample=2, min_improvement_bps=5.0,
+                       workspace=workspace)  # fmt: skip
+    window = decision["gates"]["markout"]["window"]
+    cut = int(0.7 * SYNTHETIC["events_per_day"])  # floor((1 - 0.3) x rows)
+    assert window["from_row"] == {f"{p}/{newer[-1]}": cut for p in ("SYNA", "SYNB")}
+    assert window["events"] == 2 * (SYNTHETIC["events_per_day"] - cut)
+    assert decision["decision"] == "refused"
 
 
 @pytest.mark.slow
