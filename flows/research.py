@@ -24,10 +24,13 @@ from quantloop.flows.features import placement_metrics
 from quantloop.flows.params import DataSource, ResearchParams  # noqa: F401 - the form
 from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
-from quantloop.tasks import progress, storage, tracking
+from quantloop.tasks import progress, runs, storage, tracking
+from quantloop.tasks.engine import sha256_json
 from quantloop.tasks.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.planning import product_params
 from quantloop.tasks.provenance import code_digest, git_commit
+from quantloop.tasks.runs import TEST_WINDOWS_TAG
+from quantloop.tasks.simulation import adjust_for_trials
 from quantloop.tasks.sites import SiteCounts
 from quantloop.tasks.stage import DamagedOutputs, describe, plan_folds
 from quantloop.tasks.summary import (
@@ -187,6 +190,9 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         "git_commit": git_commit(),
         "params_hash": params.hash(),
         "data_digest": data_digest,
+        # With the data pin, the validation fixes the test windows: runs that share both
+        # were evaluated on the same held-out data (trials counted by runs.research_trials)
+        TEST_WINDOWS_TAG: sha256_json(asdict(params.validation)),
         # Where the run's records are: `quantloop nodes --run` and `quantloop reproduce`
         # find the store and the catalog from these, without the workspace's folders.
         STORE_TAG: site.root,
@@ -252,6 +258,17 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                     feedback.start("features", f"recomputing {healed:,} damaged outputs")
                     feats = features_flow(stage, shard_size=params.shard_size,
                                           parent_run_id=parent.run_id)  # fmt: skip
+        # Trials: how many configurations were evaluated on these held-out data, this one
+        # included; the paired test's p-values are adjusted for them (Sidak, after Holm).
+        trials = runs.research_trials(client, experiment, data_digest,
+                                      tags[TEST_WINDOWS_TAG], tags["params_hash"])  # fmt: skip
+        paired = adjust_for_trials(sim.paired_bps, trials)
+        paired_equal = adjust_for_trials(sim.paired_equal_count_bps, trials)
+        if trials > 1:
+            survived = [h for h, d in paired.items() if d["significant"]]
+            logger.info("%d configurations were evaluated on these held-out data: the paired "
+                        "p-values are adjusted for them; significant at 5%%: %s", trials,
+                        ", ".join(survived) or "none")  # fmt: skip
         wall_s = time.perf_counter() - t0
         sites = site_counts(ws, feats, trained, sim)
         parent.tags({"model_digest": trained.model_digest})
@@ -269,12 +286,14 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 **{f"markout_bps.{h}": v for h, v in sim.markout_bps.items()},
                 **{f"baseline_markout_bps.{h}": v for h, v in sim.baseline_markout_bps.items()},
                 **{f"markout_se_bps.{h}": v for h, v in sim.markout_se_bps.items() if v == v},
-                **{f"paired.markout_bps.{h}": d["mean_bps"] for h, d in sim.paired_bps.items()},
+                **{f"paired.markout_bps.{h}": d["mean_bps"] for h, d in paired.items()},
                 **{
                     f"paired.p_adjusted.{h}": d["p_adjusted"]
-                    for h, d in sim.paired_bps.items()
+                    for h, d in paired.items()
                     if d["p_adjusted"] == d["p_adjusted"]
                 },
+                **{f"paired.significant.{h}": float(d["significant"]) for h, d in paired.items()},
+                "trials": trials,
                 "model.pnl_bps": sim.pnl["model"]["total_bps"],
                 "baseline.pnl_bps": sim.pnl["baseline"]["total_bps"],
                 **placement_metrics(sites),
@@ -293,8 +312,9 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         markout_se_bps=sim.markout_se_bps,
         baseline_markout_se_bps=sim.baseline_markout_se_bps,
         insufficient=sim.model["total"]["insufficient"],
-        paired_bps=sim.paired_bps,
-        paired_equal_count_bps=sim.paired_equal_count_bps,
+        paired_bps=paired,
+        paired_equal_count_bps=paired_equal,
+        trials=trials,
         pnl=sim.pnl,
         hit_rate=sim.model["total"]["hit_rate"],
         baseline_hit_rate=sim.baseline["total"]["hit_rate"],

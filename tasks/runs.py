@@ -104,6 +104,32 @@ def count_trials(client: MlflowClient, experiment_id: str, data_digest: str, win
     return max(len(seen), 1)
 
 
+TEST_WINDOWS_TAG = "test_windows"  # the research run's validation, hashed (flows/research.py)
+
+
+def research_trials(
+    client: MlflowClient, experiment_id: str, data_digest: str, test_windows: str,
+    params_hash: str,
+) -> int:  # fmt: skip
+    """How many configurations a research run's result was chosen among: the finished
+    research runs of the experiment on the same data pin and test windows (its validation:
+    tag TEST_WINDOWS_TAG) with other parameters (one per `params_hash`: a re-run is not
+    another trial), and this run. One search call (runs from before the tag: not counted)."""
+    where = (f"tags.data_digest = '{data_digest}' and tags.{TEST_WINDOWS_TAG} = "
+             f"'{test_windows}' and attributes.status = 'FINISHED'")  # fmt: skip
+    seen = {params_hash}
+    token = None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=where, max_results=1000,
+                                  page_token=token)  # fmt: skip
+        seen |= {r.data.tags["params_hash"] for r in page
+                 if r.data.tags.get("quantloop.stage") == "research"
+                 and r.data.tags.get("params_hash")}  # fmt: skip
+        token = page.token
+        if not token:
+            return len(seen)
+
+
 def artifact_files(client: MlflowClient, run_id: str, folder: str, suffix: str) -> list[str]:
     """Paths of a run's artifacts under `folder` (recursively) that end with `suffix`."""
     out, todo = [], [folder]

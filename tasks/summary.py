@@ -50,6 +50,12 @@ class ResearchSummary(BaseModel):
         "se_bps (paired HAC), p_value, p_holm (over horizons), p_adjusted (also over trials), "
         "significant (p_adjusted < 0.05), windows, n_eff, insufficient.",
     )
+    trials: int = Field(
+        default=1,
+        description="Configurations evaluated on the same data pin and test windows (finished "
+        "research runs with other parameters, and this one): the paired p-values are adjusted "
+        "for them.",
+    )
     paired_equal_count_bps: dict[str, dict] = Field(
         default_factory=dict,
         description="The same with both signals at one out-of-sample trade count (the more "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import uuid
 
 import numpy as np
 import pyarrow as pa
@@ -252,3 +253,36 @@ def test_the_promote_form_states_units_and_bounds():
     for bad in ({"alpha": 0.5}, {"min_improvement_bps": -0.1}, {"horizon": "5 s"}):
         with pytest.raises(ParameterTypeError):
             promote.validate_parameters({"run": "0" * 32, **bad})
+
+
+@pytest.mark.server
+def test_research_trials_count_other_configurations_on_the_same_held_out_data(mlflow_uri):
+    """A re-run (same params_hash) is not another trial; other data or other test windows
+    are not trials on these data; an unfinished run is not counted."""
+    from mlflow.tracking import MlflowClient
+
+    from quantloop.tasks.runs import TEST_WINDOWS_TAG, research_trials
+    from quantloop.tasks.simulation import adjust_for_trials
+
+    client = MlflowClient(mlflow_uri)
+    experiment = client.create_experiment(f"trials-{uuid.uuid4().hex[:8]}")
+
+    def research(params: str, data: str = "pin", windows: str = "w", finish: bool = True):
+        run = client.create_run(experiment, tags={
+            "quantloop.stage": "research", "params_hash": params, "data_digest": data,
+            TEST_WINDOWS_TAG: windows})  # fmt: skip
+        if finish:
+            client.set_terminated(run.info.run_id)
+
+    assert research_trials(client, experiment, "pin", "w", "mine") == 1
+    research("a")
+    research("a")  # a re-run of a
+    research("b")
+    research("c", data="other")
+    research("d", windows="other")
+    research("e", finish=False)
+    assert research_trials(client, experiment, "pin", "w", "mine") == 3  # a, b and this one
+    assert research_trials(client, experiment, "pin", "w", "a") == 2
+    paired = {"5s": {"p_holm": 0.02, "p_adjusted": 0.02, "significant": True}}
+    after = adjust_for_trials(paired, 3)["5s"]
+    assert after["p_adjusted"] == pytest.approx(1 - 0.98**3) and after["significant"] is False
