@@ -384,22 +384,45 @@ def verify(
 @app.command()
 def promote(
     run: RunArgument,
-    horizon: Annotated[str, typer.Option(help="Mark-out horizon the gate compares")] = "5s",
+    horizon: Annotated[
+        str, typer.Option(help="Mark-out horizon the gate tests ('5s', '100ev')")
+    ] = "5s",
+    alpha: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=0.5,
+            help="Level of the one-sided paired test, after the "
+            "trials adjustment (0 to 0.5, exclusive)",
+        ),
+    ] = 0.05,
+    min_improvement_bps: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=100.0,
+            help="Margin in bps by which the candidate must "
+            "beat the champion (or, for the first one, the baseline)",
+        ),
+    ] = 0.0,
     sample: Annotated[int, typer.Option(help="Feature nodes the reproduction gate re-runs")] = 20,
     summary_json: SummaryJsonOption = None,
     home: HomeOption = None,
     tracking_uri: TrackingUriOption = None,
     verbose: VerboseOption = False,
 ) -> None:
-    """Move the `champion` alias to the run's model version if its gates pass (mark-out
-    not worse than the champion's beyond the standard errors, reproduced, ladder proven);
-    the decision and gate values are recorded on the version. Exits 1 when refused."""
+    """Move the `champion` alias to the run's model version if its gates pass: on one
+    held-out window neither model trained on, its mark-out beats the champion's (the
+    first champion: the baseline's) by a one-sided paired test at --alpha, trials counted;
+    reproduced; ladder proven. The decision and the test's figures are recorded on the
+    version. Exits 1 when refused."""
     if not verbose:
         quiet_console()
     from quantloop.flows.promote import promote as promote_flow
 
     try:
-        decision = promote_flow(run, horizon=horizon, reproduce_sample=sample,
+        decision = promote_flow(run, horizon=horizon, alpha=alpha,
+                                min_improvement_bps=min_improvement_bps, reproduce_sample=sample,
                                 workspace=_workspace(home, tracking_uri))  # fmt: skip
     except LookupError as exc:
         fail(str(exc))

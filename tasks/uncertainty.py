@@ -236,7 +236,8 @@ def _result(
     df = days - 1 if by_day else windows - 1
     if se == 0.0:
         return Estimate(se=0.0, n_eff=math.inf, statistic=math.nan, df=df, p_value=math.nan,
-                        insufficient="no variation", **common)  # fmt: skip
+                        insufficient="no variation: the two are identical in every window"
+                        if n_iid and estimate == 0.0 else "no variation", **common)  # fmt: skip
     from scipy import stats  # scipy.stats costs ~0.3 s to import: not for a no-op run
 
     t = estimate / se

@@ -227,7 +227,7 @@ def test_the_gate_promotes_a_planted_better_candidate_and_refuses_an_equal_one(
     gate = equal["gates"]["markout"]
     assert equal["decision"] == "refused"
     assert gate["champion"] == better.model_version and gate["difference_bps"] == 0.0
-    assert gate["why"] == "no variation"
+    assert gate["why"].startswith("no variation")
     # Worse than the champion: refused, with the number that failed.
     worse_one = promote(worse)
     gate = worse_one["gates"]["markout"]

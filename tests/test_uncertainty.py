@@ -84,7 +84,7 @@ def test_difference_of_a_shifted_copy():
     a = Sample(base + 0.25, t, np.zeros(5_000))
     b = Sample(base, t + 1.0, np.zeros(5_000))
     d = difference(a, b, 10.0)
-    assert d.estimate == pytest.approx(0.25) and d.se < 1e-9 or d.insufficient == "no variation"
+    assert d.estimate == pytest.approx(0.25) and d.insufficient.startswith("no variation")
 
 
 def test_window_seconds():
