@@ -234,10 +234,11 @@ def _result(
     # small-sample factor as a cluster SE's G / (G - 1), with G the effective windows
     se = math.sqrt(max(var_sum, 0.0) * windows / (windows - 1))
     df = days - 1 if by_day else windows - 1
-    if se == 0.0:
+    # zero up to rounding: the two signals' mark-outs cancel in every window
+    if se <= 1e-9 * max(abs(estimate), se_iid if se_iid == se_iid else 0.0, 1e-300):
         return Estimate(se=0.0, n_eff=math.inf, statistic=math.nan, df=df, p_value=math.nan,
-                        insufficient="no variation: the two are identical in every window"
-                        if n_iid and estimate == 0.0 else "no variation", **common)  # fmt: skip
+                        insufficient="no variation: the same in every window, up to a "
+                        "constant", **common)  # fmt: skip
     from scipy import stats  # scipy.stats costs ~0.3 s to import: not for a no-op run
 
     t = estimate / se
