@@ -256,8 +256,9 @@ TRAIN = Form(
 
 SIMULATION = Form(
     SimConfig,
-    description="Replay of the held-out data: when the model's signal trades, and the "
-    "horizons of the mark-out D * (M[t+h] - P) / P in bps.",
+    description="Replay of the held-out data: when the model's signal trades, the fill "
+    "(at the touch, after a decision latency, paying a fee per fill), the horizons of the "
+    "mark-out D * (M[t+h] - P) / P in bps from the fill, and the daily P&L's horizon.",
     fields={
         "signal_horizon": Field(
             ge=0,
