@@ -180,12 +180,19 @@ def test_none_is_the_plain_loop_bit_for_bit():
     assert plain.model_digest == PLAIN_DIGEST  # the same weights as before the trainer
 
 
+# bf16 on a CPU: the ladder's bf16 loss tolerance (3e-3, set on the H200) is under bf16's
+# unit roundoff, 2^-8 = 3.9e-3. On a Xeon with native AVX512-BF16 this test's loss curve
+# deviated by 3.2e-3 (2026-12-01, the same on ef6231f, before any change of that session);
+# it passed under 3e-3 on the machines before. A broken rung deviates by far more.
+CPU_BF16 = dataclasses.replace(BF16, loss_rel=2.0**-8)
+
+
 @pytest.mark.parametrize(
     ("rungs", "tolerance"),
     [
         (("device_metrics",), FP32),
         (("compile", "device_metrics", "packing"), FP32),
-        (("compile", "bf16", "packing"), BF16),
+        (("compile", "bf16", "packing"), CPU_BF16),
     ],
 )
 def test_the_rungs_a_cpu_runs_train_the_same_model(rungs, tolerance):
