@@ -30,7 +30,6 @@ from quantloop.tasks.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.planning import product_params
 from quantloop.tasks.provenance import code_digest, git_commit
 from quantloop.tasks.runs import TEST_WINDOWS_TAG
-from quantloop.tasks.simulation import adjust_for_trials
 from quantloop.tasks.sites import SiteCounts
 from quantloop.tasks.stage import DamagedOutputs, describe, plan_folds
 from quantloop.tasks.summary import (
@@ -199,6 +198,10 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         CATALOG_TAG: str(ws.catalog().path),
         WORKSPACE_TAG: ws.model_dump_json(),
     }
+    # Trials: how many configurations were evaluated on these held-out data, this one
+    # included; the simulation adjusts the paired p-values for them (Sidak, after Holm).
+    trials = runs.research_trials(client, experiment, data_digest, tags[TEST_WINDOWS_TAG],
+                                  tags["params_hash"])  # fmt: skip
     with tracking.run(client, experiment, "research", tags=tags) as parent:
         parent.params(
             {
@@ -246,7 +249,8 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                     trained = train_flow(stage, params.train, parent_run_id=parent.run_id)
                     feedback.start("simulate", f"{len(selection.products or []):,} products")
                     sim = simulate_flow([f.model_url for f in trained.folds], stage,
-                                        params.simulation, parent_run_id=parent.run_id)  # fmt: skip
+                                        params.simulation, parent_run_id=parent.run_id,
+                                        trials=trials)  # fmt: skip
                     break
                 except DamagedOutputs as exc:
                     # The store heals itself: the damaged outputs are out of the index, so
@@ -258,12 +262,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                     feedback.start("features", f"recomputing {healed:,} damaged outputs")
                     feats = features_flow(stage, shard_size=params.shard_size,
                                           parent_run_id=parent.run_id)  # fmt: skip
-        # Trials: how many configurations were evaluated on these held-out data, this one
-        # included; the paired test's p-values are adjusted for them (Sidak, after Holm).
-        trials = runs.research_trials(client, experiment, data_digest,
-                                      tags[TEST_WINDOWS_TAG], tags["params_hash"])  # fmt: skip
-        paired = adjust_for_trials(sim.paired_bps, trials)
-        paired_equal = adjust_for_trials(sim.paired_equal_count_bps, trials)
+        paired, paired_equal = sim.paired_bps, sim.paired_equal_count_bps
         if trials > 1:
             survived = [h for h, d in paired.items() if d["significant"]]
             logger.info("%d configurations were evaluated on these held-out data: the paired "

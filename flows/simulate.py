@@ -72,6 +72,7 @@ def simulate(
     stage: StageParams = StageParams(),
     config: SimForm = SimConfig(),
     parent_run_id: str | None = None,
+    trials: int = 1,
 ) -> SimSummary:
     """Replay each fold's test window with the fold's model and the baseline, and pool
     the mark-outs of all the test windows (they do not overlap).
@@ -85,6 +86,9 @@ def simulate(
         config: When the signal trades and the mark-out horizons.
         parent_run_id: An MLflow run to record under as a child run "simulate"; empty:
             nothing is recorded.
+        trials: Configurations evaluated on these held-out data, this one included (the
+            research run counts them, runs.research_trials): the paired p-values are
+            adjusted for them.
     """
     logger = get_run_logger()
     site = stage.workspace.resolve_site()
@@ -169,9 +173,9 @@ def simulate(
         baseline_markout_bps=base_summary["total"]["mean_bps"],
         markout_se_bps=model_summary["total"]["se_bps"],
         baseline_markout_se_bps=base_summary["total"]["se_bps"],
-        paired_bps=paired_difference(merged["model"], merged["baseline"], keys),
+        paired_bps=paired_difference(merged["model"], merged["baseline"], keys, trials=trials),
         paired_equal_count_bps=paired_difference(
-            *equal_counts(merged["model"], merged["baseline"]), keys
+            *equal_counts(merged["model"], merged["baseline"]), keys, trials=trials
         ),
         pnl={name: pnl(merged[name], config) for name in ("model", "baseline")},
         trades=model_summary["total"]["count"],

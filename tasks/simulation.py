@@ -409,16 +409,6 @@ def paired_difference(
     return out
 
 
-def adjust_for_trials(paired: Mapping[str, dict], trials: int, alpha: float = 0.05) -> dict:
-    """paired_difference()'s result with p_adjusted and significant for `trials`
-    configurations evaluated on the same data (Sidak over Holm's p)."""
-    out = {}
-    for key, row in paired.items():
-        p = uncertainty.trials_adjusted(row["p_holm"], trials)
-        out[key] = {**row, "p_adjusted": p, "trials": trials, "significant": bool(p < alpha)}
-    return out
-
-
 def equal_counts(
     model: Mapping[str, pa.Table], baseline: Mapping[str, pa.Table]
 ) -> tuple[dict[str, pa.Table], dict[str, pa.Table]]:

@@ -207,6 +207,10 @@ def test_paired_difference_takes_out_the_moves_both_signals_share():
     assert d["mean_bps"] == pytest.approx(0.5, abs=0.1)
     assert d["se_bps"] == pytest.approx(math.sqrt(2 / len(t)), rel=0.2)
     assert alone > 3 * d["se_bps"] and d["significant"] and d["p_holm"] < 1e-6
+    # the same data after 3 trials on it: Sidak over Holm's p
+    tried = paired_difference({"A": model}, {"A": base}, ["5s"], trials=3)["5s"]
+    assert tried["trials"] == 3
+    assert tried["p_adjusted"] == pytest.approx(1 - (1 - d["p_holm"]) ** 3)
 
 
 def test_markout_plot_keeps_clock_and_event_horizons_apart():
