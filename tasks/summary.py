@@ -59,7 +59,8 @@ class ResearchSummary(BaseModel):
     paired_equal_count_bps: dict[str, dict] = Field(
         default_factory=dict,
         description="The same with both signals at one out-of-sample trade count (the more "
-        "active one keeps its strongest trades).",
+        "active one keeps its strongest trades). Descriptive: the cut is chosen on the test "
+        "days, and bench/validity.py does not measure this SE's calibration.",
     )
     pnl: dict[str, dict] = Field(
         default_factory=dict,
@@ -260,7 +261,8 @@ def validity_notes(summary: ResearchSummary) -> list[str]:
             f"trade counts differ out of sample ({summary.trades:,} vs "
             f"{summary.baseline_trades:,}); at an equal count"
             + (f" the {h} difference is {_with_se(eq['mean_bps'], eq['se_bps'])} bps"
-               if eq else "") + " (summary: paired_equal_count_bps)"
+               if eq else "") + " (summary: paired_equal_count_bps; descriptive: which trades "
+            "it keeps is chosen on the test days, and that SE's calibration is not measured)"
         )  # fmt: skip
     days = max((len(p.get("days", {})) for p in summary.pnl.values()), default=0)
     if 0 < days < MIN_DAYS:
