@@ -7,13 +7,18 @@ import io
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Annotated
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from quantloop.tasks.uncertainty import MIN_DAYS
+
+# JSON has no NaN: --summary-json and Prefect's results write an untested horizon's SE (or a
+# horizon with no trade's mark-out) as null, which reads back as NaN.
+Bps = Annotated[float, BeforeValidator(lambda v: math.nan if v is None else v)]
 
 
 class ResearchSummary(BaseModel):
@@ -32,14 +37,14 @@ class ResearchSummary(BaseModel):
         default=0,
         description="Damaged stored outputs found while reading and recomputed in this run.",
     )
-    markout_bps: dict[str, float] = Field(description="Model mark-out by horizon, all products.")
-    baseline_markout_bps: dict[str, float]
-    markout_se_bps: dict[str, float] = Field(
+    markout_bps: dict[str, Bps] = Field(description="Model mark-out by horizon, all products.")
+    baseline_markout_bps: dict[str, Bps]
+    markout_se_bps: dict[str, Bps] = Field(
         default_factory=dict,
         description="HAC standard error of markout_bps (overlapping horizons, same-side runs: "
         "tasks/uncertainty.py); NaN where the horizon has too few independent windows.",
     )
-    baseline_markout_se_bps: dict[str, float] = Field(default_factory=dict)
+    baseline_markout_se_bps: dict[str, Bps] = Field(default_factory=dict)
     insufficient: dict[str, str] = Field(
         default_factory=dict,
         description="Per horizon, why no standard error was given ('' where one was).",
@@ -67,8 +72,8 @@ class ResearchSummary(BaseModel):
         description="Per signal: daily P&L net of fees (bps of one unit per trade) at the "
         "P&L horizon, its total and the total's HAC standard error.",
     )
-    hit_rate: dict[str, float]
-    baseline_hit_rate: dict[str, float]
+    hit_rate: dict[str, Bps]
+    baseline_hit_rate: dict[str, Bps]
     trades: int
     baseline_trades: int
     per_product: dict[str, dict] = Field(
@@ -154,7 +159,8 @@ class TextTable:
         return "\n".join([head, rule, *("| " + " | ".join(r) + " |" for r in self.rows)])
 
 
-def _bps(value: float) -> str:
+def _bps(value: float | None) -> str:
+    value = _nan(value)
     return "nan" if math.isnan(value) else f"{value:+.2f}"
 
 
@@ -175,13 +181,19 @@ def _columns(lead: list[str], horizons: list[str]) -> tuple[list[str], list[bool
     return columns, [False] * len(lead) + [True] * (len(columns) - len(lead))
 
 
-def _se(se: float) -> str:
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else x  # a NaN that went through JSON
+
+
+def _se(se: float | None) -> str:
     """An SE cell: 'n/a' where the horizon had too few independent windows for one."""
+    se = _nan(se)
     return "n/a" if math.isnan(se) else f"{se:.2f}"
 
 
-def _with_se(mean: float, se: float) -> str:
+def _with_se(mean: float | None, se: float | None) -> str:
     """'-1.69 ± 0.12'; '-1.69 (n/a)' where the horizon had too few independent windows."""
+    mean, se = _nan(mean), _nan(se)
     if math.isnan(mean):
         return "nan"
     return f"{mean:+.2f} ± {se:.2f}" if not math.isnan(se) else f"{mean:+.2f} (n/a)"

@@ -204,3 +204,23 @@ def test_bad_retrain_and_backtest_input_fails_in_one_line_before_anything_starts
     error_lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and "Traceback" not in result.output
     assert not home.exists()  # no catalog, no MLflow store: nothing was started
+
+
+def test_a_summary_reads_back_from_its_json_with_untested_horizons():
+    """--summary-json writes NaN (an untested horizon's SE) as null: it reads back as NaN
+    and the table and notes still render."""
+    import math
+
+    from quantloop.tasks.summary import validity_notes
+
+    nan = float("nan")
+    s = summary(markout_se_bps={h: nan for h in HORIZONS},
+                paired_bps={"1s": {"mean_bps": 0.1, "se_bps": nan, "significant": False}},
+                pnl={"model": {"horizon": "300s", "days": {"d": 1.0}, "total_bps": 1.0,
+                               "se_bps": nan}})  # fmt: skip
+    text = json.dumps(json.loads(s.model_dump_json()))
+    assert "NaN" not in text
+    back = ResearchSummary.model_validate_json(text)
+    assert math.isnan(back.markout_se_bps["1s"]) and math.isnan(back.baseline_markout_bps["300s"])
+    assert "n/a" in markout_table(back).markdown()
+    assert any("(n/a) bps over 1 day(s)" in n for n in validity_notes(back))
