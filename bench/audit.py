@@ -33,7 +33,7 @@ from pathlib import Path
 
 from fanout import machine  # bench/ is the script's folder, so on sys.path
 
-from quantloop.tasks.provenance import git_commit
+from quantloop.tasks.records.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.servers: the launchers the tests use

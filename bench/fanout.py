@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python bench/fanout.py` from a checkout: tests.servers
 
-from quantloop.tasks.provenance import git_commit  # noqa: E402
+from quantloop.tasks.records.provenance import git_commit  # noqa: E402
 
 EVENTS_PER_PARTITION = 60  # a small day: the node is far smaller than Dask's per-task cost
 # The driver's glibc malloc, set as Dask sets its workers' (MALLOC_TRIM_THRESHOLD_):
@@ -151,7 +151,7 @@ class RssSampler:
 def one_node(kind, params: dict, node: dict, root: str) -> float:
     """The peers' unit of work: the engine's node (a row of its plan), alone in its task,
     its own file."""
-    from quantloop.tasks import storage
+    from quantloop.tasks.engine import storage
 
     t0 = time.perf_counter()
     blob = storage.Blob(node["url"], node["offset"], node["length"], node["digest"])
@@ -170,8 +170,8 @@ SCALES = {"10k": (100, 100), "100k": (200, 500), "1m": (1_000, 1_000)}  # produc
 def land(catalog, root: str, products: range, dates: int) -> int:
     """Small partitions of these products x `dates` days; one generated session per
     product, cut into days, landed product by product (catalog.land_packed streams)."""
-    from quantloop.tasks.schema import Partition
-    from quantloop.tasks.synthetic import SyntheticConfig, generate_day
+    from quantloop.tasks.data.schema import Partition
+    from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
 
     cfg = SyntheticConfig(levels=2, events_per_day=EVENTS_PER_PARTITION * dates, seed=11)
     days = [dt.date(2024, 1, 1) + dt.timedelta(days=i) for i in range(dates)]
@@ -190,7 +190,7 @@ def land(catalog, root: str, products: range, dates: int) -> int:
 
 
 def _land_job(catalog_path: str, root: str, products: range, dates: int) -> int:
-    from quantloop.tasks.catalog import Catalog
+    from quantloop.tasks.data.catalog import Catalog
 
     return land(Catalog(catalog_path), root, products, dates)
 
@@ -201,7 +201,7 @@ def land_apart(catalog_path, root: str, products: int, dates: int, processes: in
     not the driver's to keep (nor the memory figures' to count)."""
     import multiprocessing
 
-    from quantloop.tasks.catalog import Catalog
+    from quantloop.tasks.data.catalog import Catalog
 
     catalog = Catalog(catalog_path)
     if catalog.table("fanout").num_rows == products * dates:
@@ -294,10 +294,10 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
     from quantloop.blocks.site import WORKER_PRELOAD, Site
     from quantloop.flows.features import features
     from quantloop.flows.research import stage_heartbeats_off
-    from quantloop.tasks import tracking
-    from quantloop.tasks.features import FeatureParams
-    from quantloop.tasks.stage import StageParams, plan_features
-    from quantloop.tasks.workspace import Selection, Workspace
+    from quantloop.tasks.records import tracking
+    from quantloop.tasks.research.features import FeatureParams
+    from quantloop.tasks.research.stage import StageParams, plan_features
+    from quantloop.tasks.runtime.workspace import Selection, Workspace
 
     params = FeatureParams(
         imbalance_levels=2, return_lags=(1, 5), vol_windows=(10,), ofi_window=10,
@@ -449,8 +449,7 @@ def recomputed_products(manifest_url: str) -> list[str]:
     """The first five products with a computed node, from the run's manifest files."""
     import pyarrow.compute as pc
 
-    from quantloop.tasks import storage
-    from quantloop.tasks.engine import run_parts
+    from quantloop.tasks.engine import run_parts, storage
 
     products: set[str] = set()
     for part in run_parts(manifest_url):

@@ -39,8 +39,8 @@ import torch  # noqa: E402
 from quantloop.profiling.inference import Predictor  # noqa: E402
 from quantloop.profiling.packing import MIN_HEAD_DIM, flex_layout  # noqa: E402
 from quantloop.profiling.trainer import train_applied  # noqa: E402
-from quantloop.tasks.train_config import OPTIMIZATIONS, TrainConfig  # noqa: E402
-from quantloop.tasks.training import predict  # noqa: E402
+from quantloop.tasks.research.train_config import OPTIMIZATIONS, TrainConfig  # noqa: E402
+from quantloop.tasks.research.training import predict  # noqa: E402
 
 # (window, window_s, d_model, n_heads): TrainConfig's defaults first (fixed windows), then
 # clock windows (events ~1 s apart: ~window/4 events a window, varying) past each block size

@@ -28,9 +28,9 @@ import torch  # noqa: E402
 
 from quantloop.profiling.equivalence import rel_l2  # noqa: E402
 from quantloop.profiling.inference import Predictor  # noqa: E402
-from quantloop.tasks.features import FeatureParams, compute_features  # noqa: E402
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day  # noqa: E402
-from quantloop.tasks.training import load_model, predict  # noqa: E402
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day  # noqa: E402
+from quantloop.tasks.research.features import FeatureParams, compute_features  # noqa: E402
+from quantloop.tasks.research.training import load_model, predict  # noqa: E402
 
 
 def timed(fn, *args):

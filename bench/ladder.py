@@ -29,7 +29,7 @@ from quantloop.profiling.config import preset  # noqa: E402
 from quantloop.profiling.evaluation import CONTROLS  # noqa: E402
 from quantloop.profiling.ladder import run_ladder  # noqa: E402
 from quantloop.profiling.report import report_markdown  # noqa: E402
-from quantloop.tasks.provenance import git_commit  # noqa: E402
+from quantloop.tasks.records.provenance import git_commit  # noqa: E402
 
 
 def override(cfg, assignment: str):

@@ -42,7 +42,7 @@ from quantloop.profiling.config import preset  # noqa: E402
 from quantloop.profiling.packing import FLEX_BLOCKS  # noqa: E402
 from quantloop.profiling.trainer import training_set  # noqa: E402
 from quantloop.profiling.workload import build_workload, packed_batch, packed_spec  # noqa: E402
-from quantloop.tasks.training import prepare  # noqa: E402
+from quantloop.tasks.research.training import prepare  # noqa: E402
 
 
 def per_batch_ms(work, batches: int, reps: int, extra=None, mask_block: int = 0) -> float:

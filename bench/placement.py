@@ -140,7 +140,7 @@ def outer(args: argparse.Namespace) -> None:
                     "--nworkers", "1", "--nthreads", "1", "--memory-limit", "0",
                     "--no-dashboard", "--local-directory", str(work / f"dask-{site}"),
                     "--preload", "quantloop.tasks.engine.batch",
-                    "--preload", "quantloop.tasks.features",
+                    "--preload", "quantloop.tasks.research.features",
                 ], work, f"worker-{site}"))  # fmt: skip
             # Each site lands its own products, from inside its namespace, at once.
             landers = [in_ns(s, [*me, "--role", f"land-{s}"], work, f"land-{s}") for s in NS]
@@ -161,7 +161,7 @@ def outer(args: argparse.Namespace) -> None:
 
 
 def report(result: dict, args: argparse.Namespace) -> None:
-    from quantloop.tasks.provenance import git_commit
+    from quantloop.tasks.records.provenance import git_commit
 
     result.update(
         machine=f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
@@ -200,15 +200,15 @@ def report(result: dict, args: argparse.Namespace) -> None:
 
 
 def dates(n: int) -> list[dt.date]:
-    from quantloop.tasks.landing import business_days
+    from quantloop.tasks.data.landing import business_days
 
     return business_days(dt.date(2026, 3, 2), n)
 
 
 def land(site: str, args: argparse.Namespace) -> None:
-    from quantloop.tasks.landing import land_synthetic
-    from quantloop.tasks.synthetic import SyntheticConfig
-    from quantloop.tasks.workspace import Workspace
+    from quantloop.tasks.data.landing import land_synthetic
+    from quantloop.tasks.data.synthetic import SyntheticConfig
+    from quantloop.tasks.runtime.workspace import Workspace
     from tests.servers import wait_http
 
     catalog = Workspace(home=str(args.work / "home")).catalog()
@@ -245,9 +245,9 @@ def drive(args: argparse.Namespace) -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from quantloop.flows.features import features
-    from quantloop.tasks import storage
-    from quantloop.tasks.stage import StageParams
-    from quantloop.tasks.workspace import Selection, Workspace
+    from quantloop.tasks.engine import storage
+    from quantloop.tasks.research.stage import StageParams
+    from quantloop.tasks.runtime.workspace import Selection, Workspace
 
     for site in NS:  # both clusters up, with their workers
         with Client(f"tcp://{IP[site]}:{SCHEDULER_PORT}", timeout=f"{WAIT_S}s") as client:

@@ -28,16 +28,16 @@ import torch  # noqa: E402
 
 from quantloop.profiling.proof import plan_rungs  # noqa: E402
 from quantloop.profiling.trainer import train_applied, training_set  # noqa: E402
-from quantloop.tasks.features import (  # noqa: E402
+from quantloop.tasks.data.landing import business_days  # noqa: E402
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day  # noqa: E402
+from quantloop.tasks.research.features import (  # noqa: E402
     FeatureParams,
     FeatureSet,
     compute_features,
     feature_set,
 )
-from quantloop.tasks.landing import business_days  # noqa: E402
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day  # noqa: E402
-from quantloop.tasks.train_config import TrainConfig  # noqa: E402
-from quantloop.tasks.training import prepare  # noqa: E402
+from quantloop.tasks.research.train_config import TrainConfig  # noqa: E402
+from quantloop.tasks.research.training import prepare  # noqa: E402
 
 RUNGS = ("compile", "bf16", "device_metrics", "fused_kernel", "streams", "cudagraph", "packing",
          "flex_attention", "flat_grads")  # fmt: skip

@@ -6,7 +6,7 @@
 Each replication is one synthetic product on three days (seed = the replication): the
 first day sets each signal's trading threshold (the `trade_quantile` of its |signal|, as
 the simulation stage does on its training part), the other two are replayed with
-tasks/simulation.py's rules (fills at the touch, the greedy cool-down, mark-out at clock
+tasks/research/simulation.py's rules (fills at the touch, the greedy cool-down, mark-out at clock
 and event horizons). No flow, no model: the statistics are what is measured.
 
 - Null (`synthetic.signal` 0: nothing predicts the mid): the baseline (top-of-book
@@ -15,11 +15,11 @@ and event horizons). No flow, no model: the statistics are what is measured.
   long same-side runs of trades). Per strategy and horizon: the rejection rate of the
   nominal-5% two-sided paired test against the baseline, and the ratio of the true spread
   of the estimate over replications to the mean reported SE, for the old statistics
-  (iid SE; pairs of 5-minute buckets) and the new (tasks/uncertainty.py) side by side.
+  (iid SE; pairs of 5-minute buckets) and the new (tasks/research/uncertainty.py) side by side.
   "Insufficient data" counts as no rejection; its complement is `tested_fraction`.
 - Power (`synthetic.signal` 0.25, 0.5, 1.0: the imbalance foreshadows the next move):
   the rejection rate of the one-sided paired test "imbalance beats AR(0.99) noise".
-- Gate (tasks/gate.py, the promote flow's test): null pairs, two independent AR(0.999)
+- Gate (tasks/research/gate.py, the promote flow's test): null pairs, two independent AR(0.999)
   noise strategies as champion and candidate on the same days: the false-promotion rate;
   and imbalance (planted edge) against noise: the promotion rate.
 
@@ -50,20 +50,20 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 from scipy.signal import lfilter  # noqa: E402
 
-from quantloop.tasks import uncertainty  # noqa: E402
-from quantloop.tasks.features import FeatureParams, compute_features  # noqa: E402
-from quantloop.tasks.gate import GateConfig, paired_gate  # noqa: E402
-from quantloop.tasks.landing import business_days  # noqa: E402
-from quantloop.tasks.provenance import git_commit  # noqa: E402
-from quantloop.tasks.simulation import (  # noqa: E402
+from quantloop.tasks.data.landing import business_days  # noqa: E402
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day  # noqa: E402
+from quantloop.tasks.records.provenance import git_commit  # noqa: E402
+from quantloop.tasks.research import uncertainty  # noqa: E402
+from quantloop.tasks.research.features import FeatureParams, compute_features  # noqa: E402
+from quantloop.tasks.research.gate import GateConfig, paired_gate  # noqa: E402
+from quantloop.tasks.research.simulation import (  # noqa: E402
     SimConfig,
     baseline_signal,
     markout,
     simulate,
     thresholds_from,
 )
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day  # noqa: E402
-from quantloop.tasks.uncertainty import Sample  # noqa: E402
+from quantloop.tasks.research.uncertainty import Sample  # noqa: E402
 
 CONFIG = SimConfig()
 HORIZONS = CONFIG.horizon_keys()
@@ -78,7 +78,8 @@ Z = 1.959963984540054  # the old statistics' two-sided 5% test used the normal
 
 
 def old_se(v: np.ndarray) -> float:
-    """Before tasks/uncertainty.py: std / sqrt(n) (tasks/simulation.py's `_stats`)."""
+    """Before tasks/research/uncertainty.py: std / sqrt(n) (tasks/research/simulation.py's
+    `_stats`)."""
     return float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
 
 
@@ -341,9 +342,10 @@ def markdown(result: dict) -> str:
         f"{result['seconds']:.0f} s.",
         "",
         "Reject: the two-sided paired test at a nominal 5% (old: iid SE of 5-minute bucket "
-        "pairs, normal; new: tasks/uncertainty.py, t with the effective windows); insufficient "
-        "data counts as no rejection. SE ratio: the spread of the estimate over replications "
-        "/ the root mean square reported SE (1 = calibrated). Centred: the same test of H0: "
+        "pairs, normal; new: tasks/research/uncertainty.py, t with the effective windows); "
+        "insufficient data counts as no rejection. SE ratio: the spread of the estimate over "
+        "replications / the root mean square reported SE (1 = calibrated). Centred: the same "
+        "test of H0: "
         "the difference equals its Monte Carlo mean, for where H0: 0 is not exactly true.",
     ]
     lines += _pair_table(result["null"]["null_pair"],
@@ -386,8 +388,8 @@ def markdown(result: dict) -> str:
     ]
     for s, row in result["power"].items():
         lines.append(f"| {s} | " + " | ".join(f"{row[h]:.0%}" for h in HORIZONS) + " |")
-    lines += ["", f"## Gate (tasks/gate.py: one-sided, alpha {GATE.alpha}, min improvement "
-              f"{GATE.min_improvement_bps} bps, at each horizon)", "",
+    lines += ["", f"## Gate (tasks/research/gate.py: one-sided, alpha {GATE.alpha}, "
+              f"min improvement {GATE.min_improvement_bps} bps, at each horizon)", "",
               "| pairs | " + " | ".join(HORIZONS) + " |", "|---|" + "---:|" * len(HORIZONS),
               f"| null pairs (AR 0.999 vs AR 0.999), {result['replications']}: false promotion | "
               + " | ".join(f"{result['false_promotion_rate'][h]:.1%}" for h in HORIZONS)

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 # a run does not pay for importing the node code (~0.3 s per fresh worker here): the
 # engine's worker side and the feature node's code (what a batch task unpickles).
 # infra/dask/site.sh names the same modules.
-WORKER_PRELOAD = ("quantloop.tasks.engine.batch", "quantloop.tasks.features")
+WORKER_PRELOAD = ("quantloop.tasks.engine.batch", "quantloop.tasks.research.features")
 
 
 class SiteUnreachable(ConnectionError):

@@ -5,7 +5,7 @@ worker serves only when no research run is waiting (infra/prefect.yaml). The mod
 a version of the Model Registry (a number or an alias); its recipe gives the feature
 parameters it was trained on, so the features stage computes (or finds) exactly the
 features it reads. Then one backtest node per (product, day) runs on the site's Dask
-cluster (tasks/backtest.py): predictions, the day's trades and their mark-out, stored
+cluster (tasks/research/backtest.py): predictions, the day's trades and their mark-out, stored
 under the node's key, which carries the model's weights digest: a re-run is all cache
 hits, a new version recomputes. Prefect sees one task per shard, never one per node.
 """
@@ -29,8 +29,6 @@ from pydantic import BaseModel, Field
 from quantloop.blocks.site import Site
 from quantloop.flows.features import SiteClient, manifest_url
 from quantloop.flows.features import features as features_flow
-from quantloop.tasks import progress, storage, tracking
-from quantloop.tasks.backtest import backtest_kind, node_params
 from quantloop.tasks.engine import (
     NodeKind,
     NodeStore,
@@ -39,13 +37,17 @@ from quantloop.tasks.engine import (
     plan_nodes,
     run_nodes,
     sha256_json,
+    storage,
 )
-from quantloop.tasks.form import SimForm
-from quantloop.tasks.planning import shards
-from quantloop.tasks.recipe import Recipe, read_recipe, resolve_version
-from quantloop.tasks.simulation import SimConfig
-from quantloop.tasks.stage import StageParams, plan_features
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.records import tracking
+from quantloop.tasks.records.recipe import Recipe, read_recipe, resolve_version
+from quantloop.tasks.research.backtest import backtest_kind, node_params
+from quantloop.tasks.research.form import SimForm
+from quantloop.tasks.research.planning import shards
+from quantloop.tasks.research.simulation import SimConfig
+from quantloop.tasks.research.stage import StageParams, plan_features
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.workspace import Selection, Workspace
 
 
 class BacktestFailed(RuntimeError):

@@ -25,7 +25,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
-from quantloop.tasks import progress, storage, tracking
 from quantloop.tasks.engine import (
     NodeKind,
     NodeStore,
@@ -34,12 +33,15 @@ from quantloop.tasks.engine import (
     RunSummary,
     plan_nodes,
     run_nodes,
+    storage,
 )
-from quantloop.tasks.planning import feature_kind, param_digests, product_params, shards
-from quantloop.tasks.sites import SiteClient, SiteCounts, place_selection, unreachable
-from quantloop.tasks.stage import StageParams
-from quantloop.tasks.summary import NODE_COLUMNS, csv_bytes, node_summary
-from quantloop.tasks.workspace import Workspace
+from quantloop.tasks.records import tracking
+from quantloop.tasks.records.summary import NODE_COLUMNS, csv_bytes, node_summary
+from quantloop.tasks.research.planning import feature_kind, param_digests, product_params, shards
+from quantloop.tasks.research.stage import StageParams
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.sites import SiteClient, SiteCounts, place_selection, unreachable
+from quantloop.tasks.runtime.workspace import Workspace
 
 PROGRESS_EVERY_S = 5.0
 # Shards planned and running at once: the next shard's batches (a lower Dask priority)

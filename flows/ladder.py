@@ -23,9 +23,9 @@ from quantloop.profiling.ladder import run_ladder
 from quantloop.profiling.report import report_markdown
 from quantloop.profiling.results import RungResult
 from quantloop.profiling.rungs import RUNGS
-from quantloop.tasks import plots, tracking
-from quantloop.tasks.provenance import git_commit
-from quantloop.tasks.workspace import Workspace
+from quantloop.tasks.records import plots, tracking
+from quantloop.tasks.records.provenance import git_commit
+from quantloop.tasks.runtime.workspace import Workspace
 
 REPORT_NAME = "ladder.md"
 

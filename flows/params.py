@@ -9,9 +9,12 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from quantloop.tasks.data.landing import business_days, read_lobster_folder
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.data.synthetic import SyntheticConfig
 from quantloop.tasks.engine import sha256_json
-from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.form import (
+from quantloop.tasks.research.features import FeatureParams
+from quantloop.tasks.research.form import (
     WALK_FORWARD,
     FeatureForm,
     ProductFeatures,
@@ -20,14 +23,11 @@ from quantloop.tasks.form import (
     ValidationForm,
     holdout_into_validation,
 )
-from quantloop.tasks.landing import business_days, read_lobster_folder
-from quantloop.tasks.planning import normalized_overrides, product_params
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.simulation import SimConfig
-from quantloop.tasks.stage import StageParams, folds_of
-from quantloop.tasks.synthetic import SyntheticConfig
-from quantloop.tasks.train_config import TrainConfig
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.research.planning import normalized_overrides, product_params
+from quantloop.tasks.research.simulation import SimConfig
+from quantloop.tasks.research.stage import StageParams, folds_of
+from quantloop.tasks.research.train_config import TrainConfig
+from quantloop.tasks.runtime.workspace import Selection, Workspace
 
 # The dates a run may name: wide enough for any market data, narrow enough to catch a
 # typo (a start date in 1800 used to be accepted and generated).
@@ -177,7 +177,7 @@ class ResearchParams(BaseModel):
         # An explicit list of optimizations that lacks a switch it requires fails here.
         # Imported only now: torch costs 1-2 s, and bad data has already been refused.
         from quantloop.profiling.proof import plan_rungs
-        from quantloop.tasks.training import resolve_device
+        from quantloop.tasks.research.training import resolve_device
 
         plan_rungs(
             self.train.optimizations,

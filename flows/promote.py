@@ -3,16 +3,16 @@ when its gates pass; every decision, passed or refused, is recorded on the versi
 
 Gates:
 - mark-out: the candidate and the model it would replace are replayed on one held-out
-  window that neither was trained on (tasks/window.py): what the candidate held out (the
+  window that neither was trained on (tasks/research/window.py): what the candidate held out (the
   test part of the fold its lineage record names: whole dates, or the end of one day)
   minus what the champion trained on (the training part of its own lineage's fold).
   Each model reads the features it was trained on (its run's feature parameters, found
   or computed by the features flow, the champion's on the window through a backtest's
   stage) and trades by the candidate run's simulation config, at a threshold from its
-  own training part, as replay_all does. The test is tasks/gate.py's one-sided paired
+  own training part, as replay_all does. The test is tasks/research/gate.py's one-sided paired
   HAC t test of candidate minus champion > min_improvement_bps at `horizon`, its p-value
   adjusted (Sidak) for the trials on the same data pin and held-out window
-  (tasks/runs.py count_trials). With no champion yet, the first one must beat the
+  (tasks/records/runs.py count_trials). With no champion yet, the first one must beat the
   baseline signal (top-of-book imbalance) the same way, on the candidate's held-out
   part. An empty window, or too few effective horizon windows, is a refusal, never a
   pass.
@@ -45,22 +45,24 @@ from quantloop.flows.backtest import backtest_stage
 from quantloop.flows.features import features as features_flow
 from quantloop.flows.reproduce import reproduce
 from quantloop.profiling.replay import predictor_for
-from quantloop.tasks import progress, runs, storage, tracking
-from quantloop.tasks.folds import split_fold
-from quantloop.tasks.gate import GateConfig, GateResult, paired_gate
-from quantloop.tasks.recipe import RESOLVED_PARAMS, read_recipe
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.simulation import SimConfig, baseline_signal
-from quantloop.tasks.stage import StageParams, feature_outputs, read_outputs
-from quantloop.tasks.uncertainty import Sample, window_seconds
-from quantloop.tasks.window import (
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.engine import storage
+from quantloop.tasks.records import runs, tracking
+from quantloop.tasks.records.recipe import RESOLVED_PARAMS, read_recipe
+from quantloop.tasks.research.folds import split_fold
+from quantloop.tasks.research.gate import GateConfig, GateResult, paired_gate
+from quantloop.tasks.research.simulation import SimConfig, baseline_signal
+from quantloop.tasks.research.stage import StageParams, feature_outputs, read_outputs
+from quantloop.tasks.research.uncertainty import Sample, window_seconds
+from quantloop.tasks.research.window import (
     Window,
     held_out_id,
     lineage_fold,
     replay_window,
     shared_window,
 )
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.workspace import Selection, Workspace
 
 ALIAS = "champion"
 

@@ -8,9 +8,9 @@ from dataclasses import asdict
 from prefect import flow, get_run_logger
 
 from quantloop.blocks.site import Site
-from quantloop.tasks import progress
-from quantloop.tasks.replicate import replicate as replicate_versions
-from quantloop.tasks.workspace import BlockName, Selection, Workspace
+from quantloop.tasks.data.replicate import replicate as replicate_versions
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.workspace import BlockName, Selection, Workspace
 
 
 @flow(name="replicate")

@@ -21,11 +21,10 @@ from pydantic import TypeAdapter
 from quantloop.flows.simulate import pooled
 from quantloop.profiling import inference, trainer
 from quantloop.profiling.proof import plan_rungs
-from quantloop.tasks import progress, runs, storage, tracking
-from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.folds import Fold
-from quantloop.tasks.planning import feature_kind
-from quantloop.tasks.reproduce import (
+from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.engine import storage
+from quantloop.tasks.records import runs, tracking
+from quantloop.tasks.records.reproduce import (
     Check,
     Report,
     check_nodes,
@@ -34,8 +33,10 @@ from quantloop.tasks.reproduce import (
     markout_fingerprint,
     sample_rows,
 )
-from quantloop.tasks.simulation import SimConfig, replay_all, summarize
-from quantloop.tasks.stage import (
+from quantloop.tasks.research.folds import Fold
+from quantloop.tasks.research.planning import feature_kind
+from quantloop.tasks.research.simulation import SimConfig, replay_all, summarize
+from quantloop.tasks.research.stage import (
     StageParams,
     feature_outputs,
     fold_of,
@@ -43,9 +44,10 @@ from quantloop.tasks.stage import (
     plan_folds,
     training_part,
 )
-from quantloop.tasks.train_config import TrainConfig
-from quantloop.tasks.training import load_model, resolve_device
-from quantloop.tasks.workspace import Workspace
+from quantloop.tasks.research.train_config import TrainConfig
+from quantloop.tasks.research.training import load_model, resolve_device
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.workspace import Workspace
 
 
 @flow(name="reproduce")

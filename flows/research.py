@@ -24,15 +24,12 @@ from quantloop.flows.features import placement_metrics
 from quantloop.flows.params import DataSource, ResearchParams  # noqa: F401 - the form
 from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
-from quantloop.tasks import progress, runs, storage, tracking
-from quantloop.tasks.engine import sha256_json
-from quantloop.tasks.landing import business_days, land_lobster, land_synthetic
-from quantloop.tasks.planning import product_params
-from quantloop.tasks.provenance import code_digest, git_commit
-from quantloop.tasks.runs import TEST_WINDOWS_TAG
-from quantloop.tasks.sites import SiteCounts
-from quantloop.tasks.stage import DamagedOutputs, describe, plan_folds
-from quantloop.tasks.summary import (
+from quantloop.tasks.data.landing import business_days, land_lobster, land_synthetic
+from quantloop.tasks.engine import sha256_json, storage
+from quantloop.tasks.records import runs, tracking
+from quantloop.tasks.records.provenance import code_digest, git_commit
+from quantloop.tasks.records.runs import TEST_WINDOWS_TAG
+from quantloop.tasks.records.summary import (
     ResearchSummary,
     fold_table,
     markout_table,
@@ -40,8 +37,12 @@ from quantloop.tasks.summary import (
     site_table,
     validity_notes,
 )
-from quantloop.tasks.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
-from quantloop.tasks.workspace import Selection
+from quantloop.tasks.records.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
+from quantloop.tasks.research.planning import product_params
+from quantloop.tasks.research.stage import DamagedOutputs, describe, plan_folds
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.sites import SiteCounts
+from quantloop.tasks.runtime.workspace import Selection
 
 # Per-product overrides also go in as MLflow params, up to this many (the full set is
 # always in the resolved_params.json artifact): a run page stays readable.
@@ -57,7 +58,8 @@ def land_data(params: ResearchParams) -> Selection:
     report = lambda done, total: progress.report("data", done, total)  # noqa: E731
     if data.lobster_dir:
         landed = land_lobster(catalog, site.root, data.lobster_dir, site=site.name,
-                              progress=report)  # fmt: skip
+                              progress=report,
+                              note=lambda line: progress.note("data", line))  # fmt: skip
         dataset = "lobster"
     else:
         dates = business_days(data.start_date, data.n_dates)

@@ -26,16 +26,17 @@ from pydantic import BaseModel
 from quantloop.flows.features import features as features_flow
 from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
-from quantloop.tasks import progress, storage, tracking
-from quantloop.tasks.engine import sha256_json
-from quantloop.tasks.provenance import code_digest, git_commit
-from quantloop.tasks.recipe import Recipe, read_recipe, resolve_version
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.simulation import SimConfig
-from quantloop.tasks.stage import StageParams, plan_folds
-from quantloop.tasks.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
-from quantloop.tasks.train_config import TrainConfig
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.engine import sha256_json, storage
+from quantloop.tasks.records import tracking
+from quantloop.tasks.records.provenance import code_digest, git_commit
+from quantloop.tasks.records.recipe import Recipe, read_recipe, resolve_version
+from quantloop.tasks.records.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
+from quantloop.tasks.research.simulation import SimConfig
+from quantloop.tasks.research.stage import StageParams, plan_folds
+from quantloop.tasks.research.train_config import TrainConfig
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.workspace import Selection, Workspace
 
 RETRAINED_FROM_TAG = "retrained_from"  # on the new version: "<name>/<version>"
 RECIPE_TAG = "recipe_digest"

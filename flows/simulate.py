@@ -12,10 +12,11 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from quantloop.profiling import inference, replay
-from quantloop.tasks import folds, plots, progress, simulation, storage, tracking, training
-from quantloop.tasks.engine import code_fingerprint
-from quantloop.tasks.form import SimForm
-from quantloop.tasks.simulation import (
+from quantloop.tasks.engine import code_fingerprint, storage
+from quantloop.tasks.records import plots, tracking
+from quantloop.tasks.research import folds, simulation, training
+from quantloop.tasks.research.form import SimForm
+from quantloop.tasks.research.simulation import (
     SimConfig,
     equal_counts,
     paired_difference,
@@ -24,8 +25,7 @@ from quantloop.tasks.simulation import (
     stack_markouts,
     summarize,
 )
-from quantloop.tasks.sites import GPU, gpu_client
-from quantloop.tasks.stage import (
+from quantloop.tasks.research.stage import (
     StageParams,
     feature_outputs,
     fold_part,
@@ -33,6 +33,8 @@ from quantloop.tasks.stage import (
     output_key,
     plan_folds,
 )
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.sites import GPU, gpu_client
 
 
 class SimSummary(BaseModel):
@@ -255,7 +257,7 @@ def simulate(
             run.table(stack_markouts(merged), "markouts.parquet", "markouts")
             run.json({"paired": result.paired_bps,
                       "paired_equal_count": result.paired_equal_count_bps,
-                      "pnl": result.pnl, "method": "tasks/uncertainty.py"},
+                      "pnl": result.pnl, "method": "tasks/research/uncertainty.py"},
                      "validation.json", "validation")  # fmt: skip
             run.figure(
                 plots.markout_curve(

@@ -17,14 +17,14 @@ from pydantic import BaseModel
 from quantloop.models import orderbook
 from quantloop.profiling import trainer
 from quantloop.profiling.proof import Plan, plan_rungs
-from quantloop.tasks import folds, plots, progress, registry, storage, tracking, training
-from quantloop.tasks.engine import code_fingerprint, sha256_json
-from quantloop.tasks.folds import Fold
-from quantloop.tasks.form import TrainForm
-from quantloop.tasks.provenance import code_digest
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.sites import GPU, gpu_client
-from quantloop.tasks.stage import (
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.engine import code_fingerprint, sha256_json, storage
+from quantloop.tasks.records import plots, registry, tracking
+from quantloop.tasks.records.provenance import code_digest
+from quantloop.tasks.research import folds, training
+from quantloop.tasks.research.folds import Fold
+from quantloop.tasks.research.form import TrainForm
+from quantloop.tasks.research.stage import (
     FeatureOutput,
     Keyed,
     StageParams,
@@ -36,19 +36,21 @@ from quantloop.tasks.stage import (
     plan_folds,
     training_part,
 )
-from quantloop.tasks.training import (
+from quantloop.tasks.research.training import (
     TrainConfig,
     TrainResult,
     load_model,
     resolve_device,
     save_model,
 )
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.sites import GPU, gpu_client
 
 
 class FoldModel(BaseModel):
     """One fold's model: the window it was trained for and where it is."""
 
-    index: int  # the fold's place on the walk-forward grid (tasks/folds.Fold.index)
+    index: int  # the fold's place on the walk-forward grid (tasks/research/folds.Fold.index)
     window: dict  # Fold.window(): its train, embargo and test dates (and intraday cut)
     model_url: str
     model_key: str

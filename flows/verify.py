@@ -14,12 +14,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import flow, get_run_logger
 
-from quantloop.tasks import progress, storage
-from quantloop.tasks.engine import NodeStore
+from quantloop.tasks.engine import NodeStore, storage
 from quantloop.tasks.engine.driver import check_outputs
 from quantloop.tasks.engine.store import DROPPED, latest_per
-from quantloop.tasks.training import load_model
-from quantloop.tasks.workspace import Workspace
+from quantloop.tasks.research.training import load_model
+from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime.workspace import Workspace
 
 
 @flow(name="verify")

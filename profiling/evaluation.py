@@ -20,7 +20,13 @@ from quantloop.profiling.equivalence import Equivalence, compare, interval_means
 from quantloop.profiling.loop import RungRun, train_rung
 from quantloop.profiling.rungs import RUNGS, Switches
 from quantloop.profiling.workload import Workload
-from quantloop.tasks.simulation import SimConfig, markout, simulate, summarize, thresholds_from
+from quantloop.tasks.research.simulation import (
+    SimConfig,
+    markout,
+    simulate,
+    summarize,
+    thresholds_from,
+)
 
 
 def markout_summary(work: Workload, run: RungRun, product: str) -> dict:

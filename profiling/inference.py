@@ -28,7 +28,7 @@ from quantloop.profiling.compile import apply_compile
 from quantloop.profiling.packing import FlexMask, PackedNet, flex_layout
 from quantloop.profiling.precision import autocast
 from quantloop.profiling.workload import pack_fields
-from quantloop.tasks.training import TrainResult, column_matrix, predict, window_starts
+from quantloop.tasks.research.training import TrainResult, column_matrix, predict, window_starts
 
 # The rungs that change a forward pass (the others are about the backward and optimizer).
 FORWARD_RUNGS = ("compile", "bf16", "cudagraph", "packing", "flex_attention", "flex_blocks")

@@ -33,7 +33,7 @@ from quantloop.profiling.proof import device_class
 from quantloop.profiling.results import RungResult
 from quantloop.profiling.rungs import RUNGS, Rung, Switches, runnable, skip_reason
 from quantloop.profiling.workload import Workload, build_workload
-from quantloop.tasks.training import resolve_device
+from quantloop.tasks.research.training import resolve_device
 
 
 def _params(work: Workload, cfg: LadderConfig) -> int:

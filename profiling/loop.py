@@ -40,7 +40,7 @@ from quantloop.profiling.workload import (
     padded_index,
     padded_spec,
 )
-from quantloop.tasks.training import torch_threads
+from quantloop.tasks.research.training import torch_threads
 
 TRACE_PATH = "{out}/trace-rung{number}-{name}.json"
 

@@ -26,7 +26,7 @@ import torch
 
 from quantloop.profiling.packing import MIN_HEAD_DIM
 from quantloop.profiling.rungs import BY_SWITCH, missing_requirements, runnable, skip_reason
-from quantloop.tasks.train_config import OPTIMIZATIONS
+from quantloop.tasks.research.train_config import OPTIMIZATIONS
 
 PROVEN_PATH = Path(__file__).with_name("proven.json")  # the committed results, condensed
 

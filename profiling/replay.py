@@ -9,12 +9,12 @@ from collections.abc import Mapping
 import pyarrow as pa
 
 from quantloop.profiling.inference import InferenceStats, Predictor
-from quantloop.tasks.folds import Fold
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.simulation import SimConfig, replay_all
-from quantloop.tasks.sites import worker_address
-from quantloop.tasks.stage import FeatureOutput, StageParams, read_outputs
-from quantloop.tasks.training import load_model, resolve_device
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.research.folds import Fold
+from quantloop.tasks.research.simulation import SimConfig, replay_all
+from quantloop.tasks.research.stage import FeatureOutput, StageParams, read_outputs
+from quantloop.tasks.research.training import load_model, resolve_device
+from quantloop.tasks.runtime.sites import worker_address
 
 
 def predictor_for(model_url: str) -> Predictor:

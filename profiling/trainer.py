@@ -42,12 +42,11 @@ from quantloop.profiling.precision import apply_precision
 from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.profiling.rungs import Switches
 from quantloop.profiling.workload import TrainingSet, Windows
-from quantloop.tasks.features import FeatureParams, feature_set
-from quantloop.tasks.folds import Fold, split_fold
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.sites import worker_address
-from quantloop.tasks.stage import FeatureOutput, StageParams, read_outputs
-from quantloop.tasks.training import (
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.research.features import FeatureParams, feature_set
+from quantloop.tasks.research.folds import Fold, split_fold
+from quantloop.tasks.research.stage import FeatureOutput, StageParams, read_outputs
+from quantloop.tasks.research.training import (
     TrainConfig,
     TrainingData,
     TrainResult,
@@ -58,6 +57,7 @@ from quantloop.tasks.training import (
     torch_threads,
     train_plain,
 )
+from quantloop.tasks.runtime.sites import worker_address
 
 # The code a model trained here depends on besides tasks.training and models (model keys)
 RUNG_CODE = (
@@ -145,7 +145,7 @@ def train_on_features(
     plan: Plan,
 ) -> TrainResult:
     """What the train stage fits for `fold`: the fold's training part of the partitions'
-    feature tables (tasks/folds.split_fold: its training dates, or the rows before an
+    feature tables (tasks/research/folds.split_fold: its training dates, or the rows before an
     intraday cut with the labels that reach it purged; nothing of its test window or
     embargo is read), with `plan`'s rungs."""
     layout = feature_set(features)

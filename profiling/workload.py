@@ -22,10 +22,10 @@ import numpy as np
 import pyarrow as pa
 
 from quantloop.profiling.config import LadderConfig
-from quantloop.tasks import storage
-from quantloop.tasks.features import FeatureParams, compute_features, feature_set
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day
-from quantloop.tasks.training import Normalizer, clock_window_starts, column_matrix
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.engine import storage
+from quantloop.tasks.research.features import FeatureParams, compute_features, feature_set
+from quantloop.tasks.research.training import Normalizer, clock_window_starts, column_matrix
 
 START_DATE = dt.date(2026, 3, 2)
 PAD_SEG = -1  # seg of the positions past T that fill a row's last, partial sparse block

@@ -12,7 +12,7 @@ all under one home folder that needs no root:
 
 Every process runs in a session of its own, so Ctrl-C reaches only `serve`, which
 stops them in order (the worker first, which cancels its flow runs) and then ends
-anything they left; a watcher ends them if `serve` itself is killed (tasks/reaper.py).
+anything they left; a watcher ends them if `serve` itself is killed (tasks/runtime/reaper.py).
 A second start finds the same database, stores and static files.
 
 The servers are locked: Prefect with an API auth string (its clients, the worker and
@@ -247,7 +247,7 @@ def mlflow_service(cfg: StackConfig) -> Service:
 
 
 def worker_service(cfg: StackConfig) -> Service:
-    from quantloop.tasks.workspace import MLFLOW_UI_STORE_ENV, MLFLOW_UI_URL_ENV
+    from quantloop.tasks.runtime.workspace import MLFLOW_UI_STORE_ENV, MLFLOW_UI_URL_ENV
 
     creds = cfg.credentials()
     env = prefect_env(
@@ -352,7 +352,7 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
     """The stack, up and ready inside the block, stopped (everything) on the way out."""
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    from quantloop.tasks.reaper import reap_on_death
+    from quantloop.tasks.runtime.reaper import reap_on_death
 
     cfg.logs.mkdir(parents=True, exist_ok=True)
     creds = cfg.credentials()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from quantloop.tasks.schema import book_schema
+from quantloop.tasks.data.schema import book_schema
 
 
 def random_book(n: int = 2_000, levels: int = 2, seed: int = 0) -> pa.Table:

@@ -315,7 +315,8 @@ def dask_site(
              "--nthreads", "1", "--memory-limit", "0", "--no-dashboard",
              "--local-directory", str(folder / "worker"),
              *(["--resources", resources] if resources else []),
-             "--preload", "quantloop.tasks.engine.batch", "--preload", "quantloop.tasks.features"],
+             "--preload", "quantloop.tasks.engine.batch",
+             "--preload", "quantloop.tasks.research.features"],
             stdout=logs[1], stderr=subprocess.STDOUT, env=run_env,
         ))  # fmt: skip
         client = Client(address, timeout=f"{timeout}s")

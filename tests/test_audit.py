@@ -23,15 +23,15 @@ from typer.testing import CliRunner
 from quantloop.cli import app
 from quantloop.flows.promote import promote as promote_flow
 from quantloop.flows.research import ResearchParams, research
-from quantloop.tasks import runs, storage
-from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.engine import NodeStore, plan_nodes, run_nodes, sha256_json
-from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.landing import land_synthetic
-from quantloop.tasks.planning import feature_kind
-from quantloop.tasks.reproduce import Report, check_nodes, manifest_rows
-from quantloop.tasks.synthetic import SyntheticConfig
-from quantloop.tasks.workspace import Workspace
+from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.data.landing import land_synthetic
+from quantloop.tasks.data.synthetic import SyntheticConfig
+from quantloop.tasks.engine import NodeStore, plan_nodes, run_nodes, sha256_json, storage
+from quantloop.tasks.records import runs
+from quantloop.tasks.records.reproduce import Report, check_nodes, manifest_rows
+from quantloop.tasks.research.features import FeatureParams
+from quantloop.tasks.research.planning import feature_kind
+from quantloop.tasks.runtime.workspace import Workspace
 
 
 def test_a_planted_nondeterministic_node_is_the_one_that_fails_to_reproduce(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from pydantic import SecretStr
 
 from quantloop.blocks import MlflowTracking
-from quantloop.tasks import tracking
+from quantloop.tasks.records import tracking
 from tests.conftest import MLFLOW_PASSWORD, MLFLOW_USER
 
 CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")

@@ -6,9 +6,9 @@ import datetime as dt
 
 import pytest
 
-from quantloop.tasks import storage
-from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.schema import Partition
+from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.engine import storage
 from tests.books import random_book
 
 PRODUCTS = ["AAA", "BBB"]
@@ -87,7 +87,7 @@ def test_packed_partitions_match_single_files(tmp_path):
 def test_a_pin_keeps_reading_the_versions_it_pinned(tmp_path):
     """A run pins what it landed; another run landing new versions of the same partitions
     changes the current versions, not the pin, and every version stays findable."""
-    from quantloop.tasks.workspace import Selection
+    from quantloop.tasks.runtime.workspace import Selection
 
     catalog = Catalog(tmp_path / "catalog.sqlite")
     root = str(tmp_path / "store")

@@ -13,7 +13,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from quantloop.cli import app, rich_table
-from quantloop.tasks.summary import ResearchSummary, markout_table
+from quantloop.tasks.records.summary import ResearchSummary, markout_table
 
 HORIZONS = ["1s", "5s", "30s", "60s", "300s", "10ev", "100ev"]
 
@@ -211,7 +211,7 @@ def test_a_summary_reads_back_from_its_json_with_untested_horizons():
     and the table and notes still render."""
     import math
 
-    from quantloop.tasks.summary import validity_notes
+    from quantloop.tasks.records.summary import validity_notes
 
     nan = float("nan")
     s = summary(markout_se_bps={h: nan for h in HORIZONS},

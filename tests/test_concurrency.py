@@ -68,12 +68,12 @@ def _one_of_many(home: str, i: int) -> dict:
     store (the first to come creates it), land partitions (some shared with the other
     processes, some not), compute their feature nodes into the shared store and index."""
     from quantloop.blocks import MlflowTracking
-    from quantloop.tasks import tracking
+    from quantloop.tasks.data.landing import land_synthetic
+    from quantloop.tasks.data.synthetic import SyntheticConfig
     from quantloop.tasks.engine import NodeStore, run_nodes
-    from quantloop.tasks.landing import land_synthetic
-    from quantloop.tasks.stage import StageParams, plan_features
-    from quantloop.tasks.synthetic import SyntheticConfig
-    from quantloop.tasks.workspace import Selection, Workspace
+    from quantloop.tasks.records import tracking
+    from quantloop.tasks.research.stage import StageParams, plan_features
+    from quantloop.tasks.runtime.workspace import Selection, Workspace
 
     ws = Workspace(home=home)
     client, experiment = tracking.client_for(
@@ -99,7 +99,7 @@ def test_eight_processes_at_once_keep_the_shared_stores_whole(tmp_path):
         results = pool.starmap(_one_of_many, [(home, i) for i in range(8)])
     assert all(r["failed"] == 0 for r in results)
     from quantloop.tasks.engine import NodeStore
-    from quantloop.tasks.workspace import Workspace
+    from quantloop.tasks.runtime.workspace import Workspace
 
     ws = Workspace(home=home)
     store = NodeStore(ws.resolve_site().root)

@@ -33,8 +33,8 @@ from quantloop.deploy import (
     read_deployments,
     read_queues,
 )
-from quantloop.tasks.stage import StageParams, feature_outputs
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.research.stage import StageParams, feature_outputs
+from quantloop.tasks.runtime.workspace import Selection, Workspace
 from tests import servers
 
 PREFECT_YAML = REPO_ROOT / "infra" / "prefect.yaml"

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from quantloop.tasks import storage
-from quantloop.tasks.catalog import Catalog
+from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.data.schema import Partition
 from quantloop.tasks.engine import (
     INDEX_SCHEMA,
     NodeKind,
@@ -21,12 +21,12 @@ from quantloop.tasks.engine import (
     node_keys,
     plan_nodes,
     run_nodes,
+    storage,
 )
 from quantloop.tasks.engine.batch import run_batch
 from quantloop.tasks.engine.sizing import batch_size
-from quantloop.tasks.features import FeatureParams, features_node
-from quantloop.tasks.planning import feature_kind, plan_feature_table, product_params
-from quantloop.tasks.schema import Partition
+from quantloop.tasks.research.features import FeatureParams, features_node
+from quantloop.tasks.research.planning import feature_kind, plan_feature_table, product_params
 from tests.books import random_book
 
 PRODUCTS = ["AAA", "BBB"]

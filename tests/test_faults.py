@@ -17,13 +17,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from quantloop.blocks import MlflowTracking
-from quantloop.tasks import storage, tracking
-from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.engine import NodeStore, run_nodes
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.stage import StageParams, plan_features
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.engine import NodeStore, run_nodes, storage
+from quantloop.tasks.records import tracking
+from quantloop.tasks.research.stage import StageParams, plan_features
+from quantloop.tasks.runtime.workspace import Selection, Workspace
 from tests.servers import FlakyProxy
 
 TINY = {

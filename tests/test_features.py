@@ -8,8 +8,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from quantloop.tasks.features import FeatureParams, compute_features, feature_set, rolling_sums
-from quantloop.tasks.schema import book_schema
+from quantloop.tasks.data.schema import book_schema
+from quantloop.tasks.research.features import (
+    FeatureParams,
+    compute_features,
+    feature_set,
+    rolling_sums,
+)
 
 PARAMS = FeatureParams(
     imbalance_levels=3, return_lags=(1,), vol_windows=(2,), ofi_window=2, label_horizons=(1, 2)
@@ -103,8 +108,8 @@ def test_unknown_and_bad_parameters_name_the_field():
 
 def test_batched_partitions_are_bit_identical_to_single_ones():
     """A node's output must not depend on which nodes shared its batch."""
-    from quantloop.tasks import storage
-    from quantloop.tasks.features import compute_features_many
+    from quantloop.tasks.engine import storage
+    from quantloop.tasks.research.features import compute_features_many
     from tests.books import random_book
 
     params = FeatureParams(imbalance_levels=3, return_lags=(1, 5), vol_windows=(4, 50),

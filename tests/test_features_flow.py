@@ -9,12 +9,11 @@ import pyarrow.compute as pc
 import pytest
 
 from quantloop.flows.features import NodeFailures, features
-from quantloop.tasks import storage
-from quantloop.tasks.engine import RunRecords
-from quantloop.tasks.manifest import manifest_runs, query
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.stage import StageParams
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.engine import RunRecords, storage
+from quantloop.tasks.records.manifest import manifest_runs, query
+from quantloop.tasks.research.stage import StageParams
+from quantloop.tasks.runtime.workspace import Selection, Workspace
 from tests.books import random_book
 
 PRODUCTS = ["AAA", "BBB", "CCC"]

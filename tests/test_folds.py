@@ -1,5 +1,5 @@
 """Walk-forward folds: layout on exact dates, purge and embargo, and the single split
-they replace (tasks/simulation.split_train_test) reproduced exactly."""
+they replace (tasks/research/simulation.split_train_test) reproduced exactly."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from quantloop.tasks.features import FeatureParams, compute_features
-from quantloop.tasks.folds import Fold, WalkForward, folds, purge, split_fold
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.simulation import split_train_test
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.research.features import FeatureParams, compute_features
+from quantloop.tasks.research.folds import Fold, WalkForward, folds, purge, split_fold
+from quantloop.tasks.research.simulation import split_train_test
 from tests.books import random_book
 
 D = [dt.date(2026, 1, 5) + dt.timedelta(days=i) for i in range(12)]
 
 
 def label_table(n: int, seed: int = 0) -> pa.Table:
-    """Labels as tasks/features.py makes them: NaN where the horizon passes the day's end."""
+    """Labels as tasks/research/features.py makes them: NaN where the horizon passes the
+    day's end."""
     mid = 100 + np.cumsum(np.random.default_rng(seed).normal(size=n))
 
     def ahead(h: int) -> np.ndarray:

@@ -23,12 +23,12 @@ from quantloop.flows.research import ResearchParams, research
 from quantloop.flows.simulate import simulate
 from quantloop.flows.train import model_key, train
 from quantloop.tasks.engine import code_fingerprint, sha256_json
-from quantloop.tasks.features import FeatureParams, feature_set
-from quantloop.tasks.folds import WalkForward
-from quantloop.tasks.form import FEATURES, OVERRIDABLE, ProductOverride, TrainForm
-from quantloop.tasks.planning import feature_kind
-from quantloop.tasks.stage import StageParams
-from quantloop.tasks.train_config import TrainConfig
+from quantloop.tasks.research.features import FeatureParams, feature_set
+from quantloop.tasks.research.folds import WalkForward
+from quantloop.tasks.research.form import FEATURES, OVERRIDABLE, ProductOverride, TrainForm
+from quantloop.tasks.research.planning import feature_kind
+from quantloop.tasks.research.stage import StageParams
+from quantloop.tasks.research.train_config import TrainConfig
 
 FLOWS = {"research": research, "features": features, "train": train, "simulate": simulate}
 
@@ -135,7 +135,7 @@ def test_form_errors_name_the_field_and_instances_pass_through():
 
 
 def test_the_form_changes_no_hash_or_key():
-    """The words live in tasks/form.py, so what decides a hash is the same with and
+    """The words live in tasks/research/form.py, so what decides a hash is the same with and
     without the form: the run hash is the hash of the plain dataclasses' values, the
     feature kind's code fingerprint is its module's, and node parameters are the
     dataclass's canonical form."""

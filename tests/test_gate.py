@@ -1,5 +1,6 @@
 """The promotion gate without servers: the paired test on planted mark-outs with a known
-answer (tasks/gate.py), and the held-out window two models share (tasks/window.py).
+answer (tasks/research/gate.py), and the held-out window two models share
+(tasks/research/window.py).
 
 The flow's gate on real research runs (a planted better candidate promoted, an equal one
 refused) is in tests/test_audit.py; across days and inside one day in tests/test_retrain.py.
@@ -16,14 +17,14 @@ import pyarrow as pa
 import pytest
 
 from quantloop.flows.promote import empty_window_result
-from quantloop.tasks.features import FeatureParams, compute_features
-from quantloop.tasks.folds import Fold
-from quantloop.tasks.gate import GateConfig, paired_gate
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.simulation import SimConfig, replay_all
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day
-from quantloop.tasks.uncertainty import Sample, difference
-from quantloop.tasks.window import (
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.research.features import FeatureParams, compute_features
+from quantloop.tasks.research.folds import Fold
+from quantloop.tasks.research.gate import GateConfig, paired_gate
+from quantloop.tasks.research.simulation import SimConfig, replay_all
+from quantloop.tasks.research.uncertainty import Sample, difference
+from quantloop.tasks.research.window import (
     held_out_id,
     lineage_fold,
     replay_window,
@@ -261,7 +262,7 @@ def test_research_trials_count_other_configurations_on_the_same_held_out_data(ml
     are not trials on these data; an unfinished run is not counted."""
     from mlflow.tracking import MlflowClient
 
-    from quantloop.tasks.runs import TEST_WINDOWS_TAG, research_trials
+    from quantloop.tasks.records.runs import TEST_WINDOWS_TAG, research_trials
 
     client = MlflowClient(mlflow_uri)
     experiment = client.create_experiment(f"trials-{uuid.uuid4().hex[:8]}")

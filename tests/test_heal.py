@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from quantloop.cli import app
 from quantloop.flows.research import ResearchParams, research
 from quantloop.tasks.engine import NodeStore
-from quantloop.tasks.workspace import Workspace
+from quantloop.tasks.runtime.workspace import Workspace
 
 TINY = {
     "data": {"products": ["SYNA"], "n_dates": 3,
@@ -67,12 +67,12 @@ def test_damaged_outputs_are_dropped_and_recomputed_never_used(prefect_api, tmp_
 
 
 def test_verify_finds_and_drops_damaged_outputs(prefect_api, tmp_path):
-    from quantloop.tasks.catalog import Catalog
+    from quantloop.tasks.data.catalog import Catalog
+    from quantloop.tasks.data.landing import business_days, land_synthetic
+    from quantloop.tasks.data.synthetic import SyntheticConfig
     from quantloop.tasks.engine import plan_nodes, run_nodes, sha256_json
-    from quantloop.tasks.features import FeatureParams
-    from quantloop.tasks.landing import business_days, land_synthetic
-    from quantloop.tasks.planning import feature_kind
-    from quantloop.tasks.synthetic import SyntheticConfig
+    from quantloop.tasks.research.features import FeatureParams
+    from quantloop.tasks.research.planning import feature_kind
 
     ws = Workspace(home=str(tmp_path / "home"))
     root, catalog = ws.resolve_site().root, ws.catalog()

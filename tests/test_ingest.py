@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from quantloop.tasks.ingest import (
+from quantloop.tasks.data.ingest import (
     DataValidationError,
     LobsterDay,
     find_lobster,
@@ -19,7 +19,7 @@ from quantloop.tasks.ingest import (
     read_lobster,
     validate_book,
 )
-from quantloop.tasks.schema import book_schema
+from quantloop.tasks.data.schema import book_schema
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lobster"
 needs_data = pytest.mark.skipif(

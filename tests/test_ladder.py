@@ -42,7 +42,7 @@ from quantloop.profiling.workload import (
     packed_batch,
     padded_batch,
 )
-from quantloop.tasks.provenance import git_commit
+from quantloop.tasks.records.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 H200_RESULT = ROOT / "bench" / "results" / "ladder-h200.json"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from quantloop.tasks.provenance import code_digest
+from quantloop.tasks.records.provenance import code_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("flows", "tasks", "blocks", "models", "profiling")
@@ -86,7 +86,7 @@ def test_code_digest_is_the_same_from_the_wheel_and_the_checkout(wheel, tmp_path
     # Another project's folder named like ours beside the wheel's files must not count.
     (tree / "models").mkdir()
     (tree / "models" / "__init__.py").write_text("x = 1\n")
-    code = "from quantloop.tasks.provenance import code_digest; print(code_digest())"
+    code = "from quantloop.tasks.records.provenance import code_digest; print(code_digest())"
     from_wheel = python(code, cwd=tmp_path, path=tree)
     assert from_wheel.returncode == 0, from_wheel.stderr
     where = python("import quantloop.tasks; print(quantloop.tasks.__file__)", cwd=tmp_path,
@@ -113,15 +113,15 @@ def test_bench_checkout_maps_the_packages_to_its_own_checkout(tmp_path):
         "import sys; sys.path.insert(0, sys.argv[1])\n"
         "from bench.checkout import use_checkout\n"
         "assert use_checkout()\n"
-        "import quantloop.profiling.config, quantloop.tasks.provenance\n"
-        "print(quantloop.profiling.config.__file__, quantloop.tasks.provenance.__file__)\n"
+        "import quantloop.profiling.config, quantloop.tasks.records.provenance\n"
+        "print(quantloop.profiling.config.__file__, quantloop.tasks.records.provenance.__file__)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([sys.executable, "-S", "-c", code, str(copy)], cwd=tmp_path, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == [
-        str(copy / "profiling" / "config.py"), str(copy / "tasks" / "provenance.py")
+        str(copy / "profiling" / "config.py"), str(copy / "tasks" / "records" / "provenance.py")
     ]  # fmt: skip
 
 
@@ -146,11 +146,11 @@ def test_import_contracts_catch_an_upward_import(wheel, tmp_path):
     _, tree = wheel
     planted = tmp_path / "site"
     shutil.copytree(tree, planted)
-    storage = planted / "quantloop" / "tasks" / "storage.py"
+    storage = planted / "quantloop" / "tasks" / "engine" / "storage.py"
     storage.write_text(storage.read_text() + "\nimport quantloop.cli  # noqa\n")
     result = lint_imports(planted)
     assert result.returncode != 0
-    assert "quantloop.tasks.storage -> quantloop.cli" in result.stdout
+    assert "quantloop.tasks.engine.storage -> quantloop.cli" in result.stdout
 
 
 def test_the_engine_contract_catches_a_domain_import(wheel, tmp_path):
@@ -159,10 +159,10 @@ def test_the_engine_contract_catches_a_domain_import(wheel, tmp_path):
     planted = tmp_path / "site"
     shutil.copytree(tree, planted)
     store = planted / "quantloop" / "tasks" / "engine" / "store.py"
-    store.write_text(store.read_text() + "\nimport quantloop.tasks.features  # noqa\n")
+    store.write_text(store.read_text() + "\nimport quantloop.tasks.research.features  # noqa\n")
     result = lint_imports(planted)
     assert result.returncode != 0
-    assert "quantloop.tasks.engine.store -> quantloop.tasks.features" in result.stdout
+    assert "quantloop.tasks.engine.store -> quantloop.tasks.research.features" in result.stdout
 
 
 def test_site_workers_preload_what_the_site_block_names():
@@ -177,3 +177,15 @@ def test_site_workers_preload_what_the_site_block_names():
     assert tuple(re.findall(r"--preload (\S+)", script)) == WORKER_PRELOAD
     for name in WORKER_PRELOAD:
         importlib.import_module(name)
+
+
+def test_the_rooms_contract_catches_an_upward_import(wheel, tmp_path):
+    """tasks/ rooms point one way: the data room may not import what a run records."""
+    _, tree = wheel
+    planted = tmp_path / "site"
+    shutil.copytree(tree, planted)
+    catalog = planted / "quantloop" / "tasks" / "data" / "catalog.py"
+    catalog.write_text(catalog.read_text() + "\nimport quantloop.tasks.records.tracking  # noqa\n")
+    result = lint_imports(planted)
+    assert result.returncode != 0
+    assert "quantloop.tasks.data.catalog -> quantloop.tasks.records.tracking" in result.stdout

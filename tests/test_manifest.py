@@ -1,5 +1,5 @@
 """Node records: a run's manifest written part by part, recorded by its run.json, and
-queried a file at a time (tasks/manifest.py, `quantloop nodes`)."""
+queried a file at a time (tasks/records/manifest.py, `quantloop nodes`)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,17 @@ import datetime as dt
 
 import pyarrow.compute as pc
 
-from quantloop.tasks import storage
-from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.engine import NodeStore, RunRecords, RunSummary, run_nodes
-from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.manifest import manifest_runs, query
-from quantloop.tasks.planning import feature_kind, plan_feature_table, product_params, shards
-from quantloop.tasks.schema import Partition
+from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.engine import NodeStore, RunRecords, RunSummary, run_nodes, storage
+from quantloop.tasks.records.manifest import manifest_runs, query
+from quantloop.tasks.research.features import FeatureParams
+from quantloop.tasks.research.planning import (
+    feature_kind,
+    plan_feature_table,
+    product_params,
+    shards,
+)
 from tests.books import random_book
 
 PRODUCTS = ["AAA", "BBB"]

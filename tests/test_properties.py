@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
 from quantloop.flows.research import ResearchParams
+from quantloop.tasks.data.ingest import DataValidationError, read_lobster
+from quantloop.tasks.data.schema import DUMMY_ASK, DUMMY_BID, MESSAGE_FIELDS, levels_of
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
 from quantloop.tasks.engine import sha256_json
-from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.ingest import DataValidationError, read_lobster
-from quantloop.tasks.schema import DUMMY_ASK, DUMMY_BID, MESSAGE_FIELDS, levels_of
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.research.features import FeatureParams
 
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip

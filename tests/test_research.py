@@ -23,9 +23,9 @@ from typer.testing import CliRunner
 
 from quantloop.cli import app
 from quantloop.flows.research import ResearchParams, research
-from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.ingest import DataValidationError
-from quantloop.tasks.landing import land_lobster
+from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.data.ingest import DataValidationError
+from quantloop.tasks.data.landing import land_lobster
 
 TINY = {
     "data": {
@@ -135,10 +135,10 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     import mlflow.pytorch
     import torch
 
-    from quantloop.tasks import registry
-    from quantloop.tasks.stage import StageParams, feature_outputs
-    from quantloop.tasks.training import load_model, predict
-    from quantloop.tasks.workspace import Workspace
+    from quantloop.tasks.records import registry
+    from quantloop.tasks.research.stage import StageParams, feature_outputs
+    from quantloop.tasks.research.training import load_model, predict
+    from quantloop.tasks.runtime.workspace import Workspace
 
     with registry.tracking_uri(mlflow_uri):
         registered = mlflow.pytorch.load_model(f"models:/{version.name}/{version.version}")

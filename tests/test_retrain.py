@@ -17,12 +17,12 @@ from quantloop.flows.backtest import backtest
 from quantloop.flows.promote import promote
 from quantloop.flows.research import ResearchParams, research
 from quantloop.flows.retrain import retrain
-from quantloop.tasks import runs
-from quantloop.tasks.landing import business_days, land_synthetic
-from quantloop.tasks.recipe import read_recipe, resolve_version
-from quantloop.tasks.runs import read_artifact
-from quantloop.tasks.synthetic import SyntheticConfig
-from quantloop.tasks.workspace import Workspace
+from quantloop.tasks.data.landing import business_days, land_synthetic
+from quantloop.tasks.data.synthetic import SyntheticConfig
+from quantloop.tasks.records import runs
+from quantloop.tasks.records.recipe import read_recipe, resolve_version
+from quantloop.tasks.records.runs import read_artifact
+from quantloop.tasks.runtime.workspace import Workspace
 
 SYNTHETIC = {"events_per_day": 3_000, "levels": 2, "signal": 1.0}
 START = dt.date(2026, 3, 2)

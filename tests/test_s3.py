@@ -15,13 +15,12 @@ import pytest
 import s3fs
 from distributed import Client, LocalCluster
 
-from quantloop.tasks import storage
-from quantloop.tasks.catalog import Catalog
-from quantloop.tasks.engine import NodeStore, run_nodes
-from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.planning import feature_kind, plan_feature_table, product_params
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.engine import NodeStore, run_nodes, storage
+from quantloop.tasks.research.features import FeatureParams
+from quantloop.tasks.research.planning import feature_kind, plan_feature_table, product_params
 
 PRODUCTS = ["SYNA", "SYNB"]
 DATES = [dt.date(2026, 3, 2), dt.date(2026, 3, 3)]

@@ -11,9 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from quantloop.tasks.features import FeatureParams, compute_features
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.simulation import (
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.research.features import FeatureParams, compute_features
+from quantloop.tasks.research.simulation import (
     SimConfig,
     baseline_signal,
     daily_pnl,
@@ -24,7 +25,6 @@ from quantloop.tasks.simulation import (
     summarize,
     thresholds_from,
 )
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day
 from tests.books import random_book
 
 CFG = SimConfig(markout_horizons_s=(1, 5), markout_horizons_events=(2,), min_gap_events=3)
@@ -178,7 +178,7 @@ def markouts(times, values, day="2026-03-02") -> pa.Table:
 
 
 def test_too_few_windows_is_insufficient_data_not_a_small_standard_error():
-    from quantloop.tasks.simulation import paired_difference
+    from quantloop.tasks.research.simulation import paired_difference
 
     s = summarize({"A": markouts([1, 2, 3, 4], [1.0, 3.0, 5.0, float("nan")])})
     assert s["A"]["mean_bps"]["5s"] == pytest.approx(3.0)
@@ -195,7 +195,7 @@ def test_paired_difference_takes_out_the_moves_both_signals_share():
     """Both signals trade the same minutes, each mark-out a shared market move plus its
     own noise, the model 0.5 bps better: the paired SE is the noise's, far under the two
     means' own SEs, and the difference is found."""
-    from quantloop.tasks.simulation import paired_difference
+    from quantloop.tasks.research.simulation import paired_difference
 
     rng = np.random.default_rng(3)
     t = np.arange(2_000) * 12.0 + 34_200  # a trade every 12 s: 2,000 windows of 10 s
@@ -214,7 +214,7 @@ def test_paired_difference_takes_out_the_moves_both_signals_share():
 
 
 def test_markout_plot_keeps_clock_and_event_horizons_apart():
-    from quantloop.tasks.plots import markout_curve
+    from quantloop.tasks.records.plots import markout_curve
 
     curve = {"1s": -1.0, "5s": -0.8, "300s": -0.1, "10ev": -0.9, "100ev": -0.3}
     fig = markout_curve({"model": curve})
@@ -443,7 +443,7 @@ def test_config_errors_name_the_field_and_the_value(field, value):
 def test_the_form_bounds_the_new_fields():
     from pydantic import TypeAdapter, ValidationError
 
-    from quantloop.tasks.form import SimForm
+    from quantloop.tasks.research.form import SimForm
 
     adapter = TypeAdapter(SimForm)
     cfg = adapter.validate_python({"latency_s": 0.25, "latency_events": 2, "fee_bps": -0.2,
@@ -458,7 +458,7 @@ def test_the_form_bounds_the_new_fields():
 
 
 def test_equal_counts_keeps_the_strongest_trades_of_the_more_active_signal():
-    from quantloop.tasks.simulation import equal_counts
+    from quantloop.tasks.research.simulation import equal_counts
 
     busy = markouts([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0]).append_column(
         "signal", pa.array([0.5, -3.0, 1.0, 2.0])
@@ -471,7 +471,7 @@ def test_equal_counts_keeps_the_strongest_trades_of_the_more_active_signal():
 
 
 def test_pnl_sums_net_markouts_per_day_with_the_totals_se():
-    from quantloop.tasks.simulation import pnl
+    from quantloop.tasks.research.simulation import pnl
 
     cfg = SimConfig(fee_bps=0.5, pnl_horizon="5s")
     day1 = markouts([1.0, 2.0], [1.0, 3.0], day="2026-03-02")
@@ -490,8 +490,8 @@ def test_replay_all_replays_a_folds_test_window_at_its_training_parts_threshold(
     """Each fold's replay: its test dates only, each signal's threshold from its training
     dates (other dates, the embargo's and later ones, change nothing), a `fold` column;
     a float is the single split of that share, as before the folds."""
-    from quantloop.tasks.folds import WalkForward, folds
-    from quantloop.tasks.simulation import replay_all
+    from quantloop.tasks.research.folds import WalkForward, folds
+    from quantloop.tasks.research.simulation import replay_all
 
     days = [dt.date(2026, 3, 2) + dt.timedelta(days=i) for i in range(4)]
     tables = {Partition(x, d): compute_features(random_book(600, seed=i), FeatureParams())

@@ -26,15 +26,14 @@ from quantloop.flows.features import features
 from quantloop.flows.replicate import replicate as replicate_flow
 from quantloop.flows.simulate import simulate
 from quantloop.flows.train import train
-from quantloop.tasks import storage
-from quantloop.tasks.engine import BatchFailed, NoCopyReachable, NodeStore
-from quantloop.tasks.features import FeatureParams
-from quantloop.tasks.landing import land_synthetic
-from quantloop.tasks.replicate import replicate
-from quantloop.tasks.stage import StageParams, feature_outputs, plan_features
-from quantloop.tasks.synthetic import SyntheticConfig
-from quantloop.tasks.training import TrainConfig
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.data.landing import land_synthetic
+from quantloop.tasks.data.replicate import replicate
+from quantloop.tasks.data.synthetic import SyntheticConfig
+from quantloop.tasks.engine import BatchFailed, NoCopyReachable, NodeStore, storage
+from quantloop.tasks.research.features import FeatureParams
+from quantloop.tasks.research.stage import StageParams, feature_outputs, plan_features
+from quantloop.tasks.research.training import TrainConfig
+from quantloop.tasks.runtime.workspace import Selection, Workspace
 from tests import servers
 
 AT_A, AT_B = ["SYNA", "SYNB"], ["SYNC", "SYND"]
@@ -312,7 +311,7 @@ def test_place_picks_the_cheaper_site_holding_the_input_and_reads_across_only_wh
 
 
 def test_a_sites_cost_counts_its_feature_training_and_replay_seconds():
-    from quantloop.tasks.sites import SiteCounts
+    from quantloop.tasks.runtime.sites import SiteCounts
 
     counts = SiteCounts()
     counts.add(4, 3, 36.0, 100, cost_per_hour=2.0)

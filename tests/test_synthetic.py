@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from quantloop.tasks.ingest import validate_book
-from quantloop.tasks.schema import book_schema
-from quantloop.tasks.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.data.ingest import validate_book
+from quantloop.tasks.data.schema import book_schema
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
 
 DAY = dt.date(2024, 1, 2)
 CFG = SyntheticConfig(seed=7, levels=5, events_per_day=20_000)
@@ -50,7 +50,7 @@ def test_same_in_another_process():
     cfg = SyntheticConfig(levels=2, events_per_day=500)
     code = (
         "import datetime as dt; from tests.test_synthetic import _digest;"
-        "from quantloop.tasks.synthetic import SyntheticConfig, generate_day;"
+        "from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day;"
         "cfg = SyntheticConfig(levels=2, events_per_day=500);"
         "print(_digest(generate_day('SYN', dt.date(2024, 1, 2), cfg)), end='')"
     )

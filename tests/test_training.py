@@ -7,8 +7,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from quantloop.tasks.features import FeatureParams, compute_features, feature_set
-from quantloop.tasks.training import (
+from quantloop.tasks.research.features import FeatureParams, compute_features, feature_set
+from quantloop.tasks.research.training import (
     Normalizer,
     TrainConfig,
     load_model,

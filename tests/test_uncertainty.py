@@ -1,4 +1,4 @@
-"""The HAC standard errors against cases with a known answer (tasks/uncertainty.py)."""
+"""The HAC standard errors against cases with a known answer (tasks/research/uncertainty.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy.signal import lfilter
 
-from quantloop.tasks import uncertainty
-from quantloop.tasks.uncertainty import Sample, difference, holm, mean, trials_adjusted
+from quantloop.tasks.research import uncertainty
+from quantloop.tasks.research.uncertainty import Sample, difference, holm, mean, trials_adjusted
 
 
 def regular(values: np.ndarray, step_s: float = 1.0, day: str = "d") -> Sample:

@@ -9,8 +9,8 @@ import pytest
 from quantloop.blocks.catalog import DataCatalog
 from quantloop.blocks.site import Site
 from quantloop.blocks.tracking import MlflowTracking
-from quantloop.tasks.schema import Partition
-from quantloop.tasks.workspace import Selection, Workspace
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.runtime.workspace import Selection, Workspace
 from tests.books import random_book
 
 
@@ -83,8 +83,8 @@ def test_selection_names_what_is_missing(tmp_path):
 
 
 def test_landing_records_the_site_it_landed_at(tmp_path):
-    from quantloop.tasks.landing import land_synthetic
-    from quantloop.tasks.synthetic import SyntheticConfig
+    from quantloop.tasks.data.landing import land_synthetic
+    from quantloop.tasks.data.synthetic import SyntheticConfig
 
     catalog = Workspace(home=str(tmp_path / "h")).catalog()
     land_synthetic(catalog, str(tmp_path / "onprem"), ["SYNA"], [dt.date(2026, 3, 2)],

@@ -25,7 +25,7 @@ case "$2" in
       --name "$SITE-$(hostname -s)" \
       --nworkers "$NWORKERS" --nthreads 1 --memory-limit "$MEMORY_LIMIT" \
       --local-directory "$LOCAL_DIR" \
-      --preload quantloop.tasks.engine.batch --preload quantloop.tasks.features \
+      --preload quantloop.tasks.engine.batch --preload quantloop.tasks.research.features \
       ${RESOURCES:+--resources "$RESOURCES"}
     ;;
   *)

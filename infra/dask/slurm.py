@@ -25,7 +25,7 @@ cluster = SLURMCluster(
         "--preload",
         "quantloop.tasks.engine.batch",
         "--preload",
-        "quantloop.tasks.features",
+        "quantloop.tasks.research.features",
     ],
     job_script_prologue=["source /opt/quantloop/.venv/bin/activate"],
 )

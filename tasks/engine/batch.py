@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from quantloop.tasks import storage
+from quantloop.tasks.engine import storage
 from quantloop.tasks.engine.plan import NodeKind
 from quantloop.tasks.engine.records import manifest_rows
 from quantloop.tasks.engine.store import INDEX_SCHEMA, NodeStore

@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from quantloop.tasks import storage
+from quantloop.tasks.engine import storage
 from quantloop.tasks.engine.batch import batch_seconds, run_batch, run_batch_ipc
 from quantloop.tasks.engine.plan import NodeKind
 from quantloop.tasks.engine.reasons import explain

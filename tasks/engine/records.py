@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from quantloop.tasks import storage
+from quantloop.tasks.engine import storage
 from quantloop.tasks.engine.plan import NODE_COLUMNS
 from quantloop.tasks.engine.store import KEY_PARTS, OUTPUT_COLUMNS
 

@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from quantloop.tasks import storage
+from quantloop.tasks.engine import storage
 from quantloop.tasks.engine.plan import NODE_COLUMNS
 
 KEY_PARTS = [("code", pa.string()), ("params", pa.string()), ("inputs", pa.string())]

@@ -1,0 +1,189 @@
+"""What the commands share: the console, options, one-line errors, the run log, JSON out."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from pydantic import ValidationError
+from rich import box
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from quantloop.tasks.records.summary import TextTable
+
+# Options several commands share.
+HomeOption = Annotated[
+    str | None, typer.Option(help="Folder for the embedded defaults [default: .quantloop]")
+]
+TrackingUriOption = Annotated[
+    str | None, typer.Option(help="MLflow tracking URI [default: SQLite in home]")
+]
+SummaryJsonOption = Annotated[
+    Path | None, typer.Option("--summary-json", help="Also write the result here, as JSON.")
+]
+VerboseOption = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Log lines on the console, not only in the log")
+]
+
+console = Console(stderr=True)
+
+
+class ConsoleSink:
+    """The progress sink of `quantloop run`: a bar per stage, one line per stage note."""
+
+    def __init__(self, bar: Progress):
+        self.bar = bar
+        self.tasks: dict[str, int] = {}
+
+    def report(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task(stage, total=total)
+        self.bar.update(self.tasks[stage], completed=done, total=total)
+
+    def note(self, stage: str, message: str) -> None:
+        self.bar.console.print(f"[bold]{stage}[/bold]: {message}", highlight=False)
+
+
+def rich_table(table: TextTable) -> Table:
+    """A text table for the terminal: no vertical rules, so ten columns of mark-out fit
+    in 80 columns without cutting a name."""
+    out = Table(
+        title=table.title,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        padding=(0, 1),
+        collapse_padding=True,
+    )
+    for name, numeric in zip(table.columns, table.numeric, strict=True):
+        out.add_column(name, justify="right" if numeric else "left", no_wrap=True)
+    for row in table.rows:
+        out.add_row(*row)
+    return out
+
+
+def quiet_console() -> None:
+    """No log lines on the console: it shows progress bars, one line per stage, and
+    one line for an error; every log line goes to the run's log file and the Prefect
+    API. (A failed run used to print its traceback three times: task, stage, flow.)
+
+    Prefect's console handler takes its level from the environment when Prefect sets
+    up logging on import, so this runs before Prefect is imported. Dask's INFO lines
+    (scheduler, nanny, close-stream) reach the console through the root logger's
+    handler, so its level keeps them off the console too.
+    """
+    for handler in ("CONSOLE", "CONSOLE_FLOW_RUNS", "CONSOLE_TASK_RUNS"):
+        os.environ.setdefault(f"PREFECT_LOGGING_HANDLERS_{handler}_LEVEL", "CRITICAL")
+
+
+@contextlib.contextmanager
+def log_file(path: Path, *, quiet: bool) -> Iterator[None]:
+    """Every INFO record of the run (Prefect, Dask, MLflow, quantloop) goes to `path`;
+    with `quiet`, MLflow's own console handler shows only warnings too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s - %(message)s"))
+    undo: list = []
+    logging.getLogger().addHandler(handler)
+    undo.append(lambda: logging.getLogger().removeHandler(handler))
+    # Dask's loggers drop INFO themselves unless told otherwise, and so would
+    # quantloop's own (the root logger stays at WARNING); MLflow's does not propagate to
+    # the root (it has a console handler of its own).
+    for name in ("distributed", "mlflow", "quantloop"):
+        logger = logging.getLogger(name)
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        undo.append(lambda logger=logger, level=level: logger.setLevel(level))
+        if logger.propagate:
+            continue
+        logger.addHandler(handler)
+        undo.append(lambda logger=logger: logger.removeHandler(handler))
+        for own in logger.handlers:
+            if quiet and isinstance(own, logging.StreamHandler) and own is not handler:
+                old = own.level
+                own.setLevel(logging.CRITICAL)
+                undo.append(lambda own=own, old=old: own.setLevel(old))
+    try:
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+        handler.close()
+
+
+def fail(message: str, *, code: int = 2, verbose: bool = False, exc: Exception | None = None):
+    """Print one error (no traceback unless verbose) and exit: 2 for bad input, 1 for a
+    run that failed."""
+    if verbose and exc is not None:
+        console.print_exception()
+    console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def read_params(path: Path) -> dict:
+    """The research parameters of a JSON file; a missing or malformed file is named."""
+    try:
+        values = json.loads(path.read_text())
+    except OSError as exc:
+        fail(f"--params {path}: {exc.strerror or exc}")
+    except json.JSONDecodeError as exc:
+        fail(f"--params {path}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}")
+    if not isinstance(values, dict):
+        fail(f"--params {path}: expected a JSON object of parameters, got {type(values).__name__}")
+    return values
+
+
+def validation_errors(exc: ValidationError) -> list[str]:
+    """One `field.path: what is wrong (given: value)` per error of a parameter model."""
+    out = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "parameters"
+        message = err["msg"].removeprefix("Value error, ")
+        given = "" if err["type"] == "missing" else f" (given: {err['input']!r:.60})"
+        out.append(f"{where}: {message}{given}")
+    return out
+
+
+def workspace_of(home: str | None, tracking_uri: str | None):
+    from quantloop.tasks.runtime.workspace import Workspace
+
+    values = {k: v for k, v in (("home", home), ("tracking_uri", tracking_uri)) if v is not None}
+    return Workspace(**values)
+
+
+def write_json(path: Path | None, value: dict) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(value, indent=2, default=str))
+    os.replace(tmp, path)
+    console.print(f"summary written to {path}", soft_wrap=True)
+
+
+RunArgument = Annotated[
+    str, typer.Argument(help="The research run: its MLflow run id or its Prefect flow run id")
+]
+
+
+# A registered model's version: a number, or an alias (MLflow's alias rule, roughly)
+_VERSION_REF = r"^([0-9]+|[A-Za-z_][A-Za-z0-9_-]*)$"
+ModelOption = Annotated[
+    str | None, typer.Option(help="Registered model [default: the tracking block's]")
+]
+
+
+def check_version(option: str, value: str) -> None:
+    import re
+
+    if not re.match(_VERSION_REF, value):
+        fail(f"{option} {value!r}: give a version number (3) or an alias (champion)")

@@ -1,0 +1,51 @@
+"""`quantloop verify`: re-hash the workspace's stored outputs, models and inputs; damaged
+outputs are.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from quantloop.cli.common import (
+    HomeOption,
+    SummaryJsonOption,
+    VerboseOption,
+    console,
+    quiet_console,
+    workspace_of,
+    write_json,
+)
+
+
+def verify(
+    sample: Annotated[
+        int, typer.Option(help="Stored feature outputs to re-hash, drawn with a fixed seed; 0: all")
+    ] = 0,
+    repair: Annotated[
+        bool, typer.Option("--repair/--check-only", help="Drop damaged outputs from the cache")
+    ] = True,
+    summary_json: SummaryJsonOption = None,
+    home: HomeOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Re-hash the workspace's stored outputs, models and inputs; damaged outputs are
+    dropped from the cache (the next run recomputes them). Exits 1 if anything is damaged."""
+    if not verbose:
+        quiet_console()
+    from quantloop.flows.verify import verify as verify_flow
+
+    report = verify_flow(workspace_of(home, None), sample=sample or None, repair=repair)
+    for key, reason in report["outputs_damaged"].items():
+        console.print(f"output {key[:16]}: {reason}")
+    for line in report["models_damaged"] + report["inputs_damaged"]:
+        console.print(line, soft_wrap=True)
+    console.print(
+        f"{report['outputs_checked']:,} of {report['outputs_committed']:,} outputs checked, "
+        f"{len(report['outputs_damaged'])} damaged; {len(report['models_damaged'])} models, "
+        f"{len(report['inputs_damaged'])} inputs damaged ({report['seconds']:.1f} s)"
+    )
+    write_json(summary_json, report)
+    if report["outputs_damaged"] or report["models_damaged"] or report["inputs_damaged"]:
+        raise typer.Exit(1)

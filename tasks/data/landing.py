@@ -1,0 +1,120 @@
+"""Landing sources in the catalog: the synthetic generator and LOBSTER files."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from quantloop.tasks.data.catalog import Catalog, Landed
+from quantloop.tasks.data.ingest import DataValidationError, LobsterDay, find_lobster, read_lobster
+from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
+
+log = logging.getLogger(__name__)
+
+
+def business_days(start: dt.date, count: int) -> list[dt.date]:
+    """`count` weekdays from `start` on (exchange holidays are not modelled)."""
+    days = np.busday_offset(np.datetime64(start), np.arange(count), roll="forward")
+    return [d.astype(dt.date) for d in days]
+
+
+def land_synthetic(
+    catalog: Catalog,
+    root: str,
+    products: Sequence[str],
+    dates: Sequence[dt.date],
+    cfg: SyntheticConfig,
+    *,
+    dataset: str = "synthetic",
+    site: str = "local",
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Landed]:
+    """Generate and land every (product, date); unchanged partitions are no-ops."""
+    landed = []
+    parts = [Partition(p, d) for p in products for d in dates]
+    for i, part in enumerate(parts):
+        table = generate_day(part.product, part.date, cfg)
+        landed.append(
+            catalog.land(
+                dataset, part, table, root=root, site=site, source=f"synthetic seed={cfg.seed}"
+            )  # fmt: skip
+        )
+        if progress:
+            progress(i + 1, len(parts))
+    return landed
+
+
+def read_lobster_folder(folder: str | Path) -> list[LobsterDay]:
+    """Every LOBSTER day in a folder (or one file), read and validated.
+
+    Every file is read before anything is reported, so one error lists every bad
+    file (each with its row and column), not only the first.
+    """
+    folder = Path(folder)
+    if not folder.exists():
+        raise FileNotFoundError(f"LOBSTER folder {folder} does not exist")
+    files = [folder] if folder.is_file() else find_lobster(folder)
+    if not files:
+        raise FileNotFoundError(f"no LOBSTER zip or message/orderbook CSV pair in {folder}")
+    days, errors = [], []
+    for f in files:
+        try:
+            days += read_lobster(f)
+        except DataValidationError as exc:
+            errors.append(str(exc))
+    if len(errors) == 1:
+        raise DataValidationError(errors[0])
+    if errors:
+        raise DataValidationError(
+            f"{len(errors)} of {len(files)} LOBSTER files are invalid:\n  " + "\n  ".join(errors)
+        )
+    return days
+
+
+def land_lobster(
+    catalog: Catalog,
+    root: str,
+    folder: str | Path,
+    *,
+    dataset: str = "lobster",
+    site: str = "local",
+    progress: Callable[[int, int], None] | None = None,
+    note: Callable[[str], None] | None = None,
+) -> list[Landed]:
+    """Ingest every LOBSTER file in a folder (or one file) and land it; `progress` gets
+    (landed, total), `note` each line a watcher should see (a superseded file).
+
+    LOBSTER ships one file per depth for the same ticker and day; a deeper file
+    holds every message of a shallower one (the shallower only drops messages
+    beyond its levels), so for each (ticker, date) the deepest file is landed and
+    the others are reported as superseded.
+    """
+    days = read_lobster_folder(folder)
+    deepest: dict[Partition, object] = {}
+    for day in days:
+        part = Partition(day.product, day.date)
+        if part not in deepest or day.levels > deepest[part].levels:
+            deepest[part] = day
+    for day in days:
+        chosen = deepest[Partition(day.product, day.date)]
+        if chosen is not day:
+            line = (
+                f"{day.source} ({day.levels} levels) superseded by {chosen.source} "
+                f"({chosen.levels} levels) for {day.product}/{day.date}"
+            )
+            log.warning(line)
+            if note:
+                note(line)
+    landed = []
+    for i, (part, day) in enumerate(sorted(deepest.items())):
+        landed.append(
+            catalog.land(dataset, part, day.table, root=root, site=site, source=day.source)
+        )
+        if progress:
+            progress(i + 1, len(deepest))
+    return landed

@@ -1,0 +1,157 @@
+"""Find a research run and its records in MLflow from one id: the MLflow run id or
+the Prefect flow run id, whichever the auditor has."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+
+import pyarrow as pa
+from mlflow.entities import Run
+from mlflow.tracking import MlflowClient
+
+from quantloop.tasks.engine import storage
+from quantloop.tasks.records.tracking import PARENT_TAG, STORE_TAG
+from quantloop.tasks.research.window import held_out_id, lineage_fold
+
+_MLFLOW_ID = re.compile(r"^[0-9a-f]{32}$")
+# Runs with stage runs (features, train, simulate) under them: a research run, and a
+# retrain run (flows/retrain.py), which is shaped like one.
+RESEARCH_STAGES = ("research", "retrain")
+
+
+def find_research_run(client: MlflowClient, ref: str) -> Run:
+    """The research run an id names; LookupError (naming the id and the tracking URI)
+    if there is none: never an empty answer."""
+    ref = ref.strip()
+    if _MLFLOW_ID.match(ref):
+        try:
+            run = client.get_run(ref)
+        except Exception as exc:  # MLflow's RESOURCE_DOES_NOT_EXIST
+            raise LookupError(f"no MLflow run {ref} at {client.tracking_uri}: {exc}") from exc
+        if run.data.tags.get("quantloop.stage") not in RESEARCH_STAGES:
+            parent = run.data.tags.get(PARENT_TAG)
+            if parent:  # a stage's run: its research run is meant
+                return find_research_run(client, parent)
+            raise LookupError(f"MLflow run {ref} is not a quantloop research run")
+        return run
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    found = []
+    for stage in RESEARCH_STAGES if experiments else ():
+        where = f"tags.prefect_flow_run_id = '{ref}' and tags.`quantloop.stage` = '{stage}'"
+        found += client.search_runs(experiments, filter_string=where, max_results=2)
+    if not found:
+        raise LookupError(
+            f"no research run with MLflow run id or Prefect flow run id {ref!r} at "
+            f"{client.tracking_uri}"
+        )
+    return found[0]
+
+
+def stage_runs(client: MlflowClient, research: Run) -> dict[str, Run]:
+    """The research run's stage runs (features, train, simulate) by stage."""
+    found = client.search_runs(
+        [research.info.experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = '{research.info.run_id}'",
+    )
+    return {r.data.tags.get("quantloop.stage", r.info.run_name): r for r in found}
+
+
+def model_lineage(client: MlflowClient, run: Run) -> dict:
+    """The lineage record (flows/train.py record_lineage) of the model a research (or
+    retrain) run registered, from the run's store; LookupError naming what is missing."""
+    name, number = run.data.tags.get("registered_model"), run.data.tags.get("model_version")
+    if not name or not number:
+        raise LookupError(f"run {run.info.run_id} registered no model version")
+    try:
+        key = client.get_model_version(name, number).tags.get("model_key", "")
+    except Exception as exc:  # MLflow's RESOURCE_DOES_NOT_EXIST: the version was deleted
+        raise LookupError(f"{name} version {number} is not at {client.tracking_uri}") from exc
+    url = storage.join(run.data.tags.get(STORE_TAG, ""), "lineage", "models", f"{key}.json")
+    try:
+        return json.loads(storage.read_bytes(url))
+    except (OSError, ValueError) as exc:
+        raise LookupError(f"{name} version {number}: its lineage record {url} is not "
+                          f"readable: {exc}") from exc  # fmt: skip
+
+
+def count_trials(client: MlflowClient, experiment_id: str, data_digest: str, window: str) -> int:
+    """How many models were tried on one test window: the finished research (and retrain)
+    runs of the experiment on the data pin `data_digest` (their `data_digest` tag) whose
+    registered model held out `window` (tasks/research/window.held_out_id of the fold its lineage
+    record names: the test dates and the intraday cut, which with the pin are the
+    held-out data). Runs with the same parameters (tag `params_hash`) made the same model
+    and count once. At least 1: the candidate is a trial."""
+    where = f"tags.data_digest = '{data_digest}' and attributes.status = 'FINISHED'"
+    seen: set[str] = set()
+    token = None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=where, max_results=1000,
+                                  page_token=token)  # fmt: skip
+        for run in page:
+            if run.data.tags.get("quantloop.stage") not in RESEARCH_STAGES:
+                continue
+            try:
+                held = held_out_id(lineage_fold(model_lineage(client, run)))
+            except (LookupError, KeyError, ValueError):  # no model, or no record of it
+                continue
+            if held == window:
+                seen.add(run.data.tags.get("params_hash") or run.info.run_id)
+        token = page.token
+        if not token:
+            break
+    return max(len(seen), 1)
+
+
+TEST_WINDOWS_TAG = "test_windows"  # the research run's validation, hashed (flows/research.py)
+
+
+def research_trials(
+    client: MlflowClient, experiment_id: str, data_digest: str, test_windows: str,
+    params_hash: str,
+) -> int:  # fmt: skip
+    """How many configurations a research run's result was chosen among: the finished
+    research runs of the experiment on the same data pin and test windows (its validation:
+    tag TEST_WINDOWS_TAG) with other parameters (one per `params_hash`: a re-run is not
+    another trial), and this run. One search call (runs from before the tag: not counted)."""
+    where = (f"tags.data_digest = '{data_digest}' and tags.{TEST_WINDOWS_TAG} = "
+             f"'{test_windows}' and attributes.status = 'FINISHED'")  # fmt: skip
+    seen = {params_hash}
+    token = None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=where, max_results=1000,
+                                  page_token=token)  # fmt: skip
+        seen |= {r.data.tags["params_hash"] for r in page
+                 if r.data.tags.get("quantloop.stage") == "research"
+                 and r.data.tags.get("params_hash")}  # fmt: skip
+        token = page.token
+        if not token:
+            return len(seen)
+
+
+def artifact_files(client: MlflowClient, run_id: str, folder: str, suffix: str) -> list[str]:
+    """Paths of a run's artifacts under `folder` (recursively) that end with `suffix`."""
+    out, todo = [], [folder]
+    while todo:
+        for f in client.list_artifacts(run_id, todo.pop()):
+            if f.is_dir:
+                todo.append(f.path)
+            elif f.path.endswith(suffix):
+                out.append(f.path)
+    return sorted(out)
+
+
+def read_artifact(client: MlflowClient, run_id: str, path: str) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        local = client.download_artifacts(run_id, path, tmp)
+        with open(local, "rb") as f:
+            return f.read()
+
+
+def manifest_tables(client: MlflowClient, features_run_id: str) -> list[pa.Table]:
+    """The node records a features run attached (its manifest, in one or more parts)."""
+    paths = artifact_files(client, features_run_id, "manifest", ".parquet")
+    if not paths:
+        raise LookupError(f"features run {features_run_id} has no node manifest attached")
+    return [storage.decode_table(read_artifact(client, features_run_id, p)) for p in paths]

@@ -1,0 +1,146 @@
+"""A run's sites side by side: a Dask client per site, each node's site, and what it cost.
+
+The workspace names the sites (the default first); the catalog says where each input
+version has copies; the engine's `place` decides which site runs each node. Here the
+two meet: the placed selection, the clients (opened when a site first has a node to
+run), and the per-site counts a run reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from quantloop.blocks.site import Site, SiteUnreachable
+from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.engine import Policy, SiteCost, place
+
+
+class SiteClient:
+    """A site's Dask client, started (or connected to) by the first shard that has a
+    node to run there: a run whose nodes are all cached starts no cluster. Several
+    shards' threads may ask at once; one connects."""
+
+    def __init__(self, site: Site, stack: contextlib.ExitStack):
+        self._site, self._stack = site, stack
+        self._lock = threading.Lock()
+        self._client = None
+
+    def __call__(self):
+        with self._lock:
+            if self._client is None:
+                self._client = self._stack.enter_context(self._site.client())
+            return self._client
+
+
+def place_selection(
+    entries: pa.Table,
+    catalog: Catalog,
+    dataset: str,
+    sites: Sequence[Site],
+    policy: Policy,
+    *,
+    down: Collection[str] = (),
+) -> pa.Table:
+    """The selection's catalog rows with the site that runs each node ("site"), where
+    its input is read from ("input_site") and that copy's location.
+
+    One site: everything runs there and reads where the catalog says (no copies are
+    looked up: a 10^6-node run on one site pays nothing for sites).
+    """
+    if len(sites) == 1:
+        name = pa.repeat(pa.scalar(sites[0].name, pa.string()), entries.num_rows)
+        return entries.append_column("site", name).append_column("input_site", name)
+    copies = catalog.copies(dataset)
+    # A copy recorded under a site name the workspace does not use, but stored under one
+    # of its sites' roots (a site renamed, or landed before sites were named), is there.
+    names = {s.name for s in sites}
+    if copies.num_rows and not set(copies["site"].to_pylist()) <= names:
+        fixed = [
+            s if s in names else next((x.name for x in sites if x.holds(url)), s)
+            for s, url in zip(copies["site"].to_pylist(), copies["url"].to_pylist(), strict=True)
+        ]
+        copies = copies.set_column(1, "site", pa.array(fixed, pa.string()))
+    costs = [SiteCost(name=s.name, cost_per_hour=s.cost_per_hour) for s in sites]
+    return place(entries, copies, costs, policy, down=down)
+
+
+def unreachable(sites: Sequence[Site], clients: dict[str, SiteClient]) -> list[str]:
+    """The sites whose scheduler does not answer now (a LocalCluster site always does:
+    it is started, and is not probed here)."""
+    down = []
+    for site in sites:
+        if site.scheduler_address:
+            try:
+                clients[site.name]()
+            except SiteUnreachable:
+                down.append(site.name)
+    return down
+
+
+@dataclass(slots=True)
+class SiteCounts:
+    """What one site did in a run: its feature nodes and their compute seconds, the
+    seconds of the training loop and the replay it ran, the bytes those read from other
+    sites, and what its seconds cost."""
+
+    nodes: int = 0
+    computed: int = 0
+    compute_s: float = 0.0  # feature nodes
+    bytes_across: int = 0  # bytes read from other sites (inputs, feature outputs, model)
+    cost: float = 0.0  # all of this site's seconds x its cost_per_hour / 3600
+    train_s: float = 0.0
+    simulate_s: float = 0.0
+
+    def add(self, nodes: int, computed: int, compute_s: float, bytes_across: int,
+            cost_per_hour: float) -> None:  # fmt: skip
+        self.nodes += nodes
+        self.computed += computed
+        self.compute_s += compute_s
+        self._spent(compute_s, bytes_across, cost_per_hour)
+
+    def add_stage(self, stage: str, seconds: float, bytes_across: int,
+                  cost_per_hour: float) -> None:  # fmt: skip
+        """Training's ("train") or the replay's ("simulate") seconds at this site."""
+        field = f"{stage}_s"
+        setattr(self, field, getattr(self, field) + seconds)
+        self._spent(seconds, bytes_across, cost_per_hour)
+
+    def _spent(self, seconds: float, bytes_across: int, cost_per_hour: float) -> None:
+        self.bytes_across += bytes_across
+        self.cost += seconds * cost_per_hour / 3600.0
+
+
+def worker_address() -> str:
+    """The Dask worker this runs in, or "" outside one (the flow's own process)."""
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except ValueError:
+        return ""
+
+
+GPU = "GPU"  # the Dask worker resource a GPU host declares (`dask worker --resources GPU=1`)
+
+
+def gpu_client(sites: Sequence[Site], stack: contextlib.ExitStack):
+    """(site, client) of the first site (the default first) that declares GPUs and whose
+    scheduler has a worker with the GPU resource; None when there is none, so training
+    stays in the flow's process. Only sites with a scheduler are asked: a LocalCluster
+    site is this machine, where the flow trains anyway."""
+    for site in sites:
+        if not (site.gpus and site.scheduler_address):
+            continue
+        client = stack.enter_context(site.client())
+        # Asked of the scheduler itself: its workers' declared resources.
+        has = client.run_on_scheduler(
+            lambda dask_scheduler: any(GPU in w.resources for w in dask_scheduler.workers.values())
+        )
+        if has:
+            return site, client
+    return None

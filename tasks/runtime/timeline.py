@@ -1,0 +1,122 @@
+"""Where a command's time goes, from process start to exit.
+
+A command opens phases (`phase("api")`, `phase("features")`) as it goes; work that is
+spread over a run in many small pieces (MLflow calls, registration) adds its seconds
+and count to a named total (`add("mlflow", dt)`) instead. `report()` gives the rows a
+`--profile` table and bench/turnaround.py show: each phase's start and length since the
+process started, each total, and what no phase covered ("other").
+
+Recording costs two clock reads a phase and nothing when no one reads the report, so it
+is always on: every run's log ends with its breakdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+def _process_start() -> float:
+    """The process's start on the wall clock: the interpreter's own start-up and the
+    imports before the first line of ours count too."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        import os
+
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()  # not Linux: from the first import of this module
+
+
+@dataclass(slots=True)
+class Span:
+    name: str
+    start_s: float  # since the process started
+    seconds: float = float("nan")
+    depth: int = 0
+
+
+@dataclass(slots=True)
+class Timeline:
+    origin: float = field(default_factory=_process_start)
+    spans: list[Span] = field(default_factory=list)
+    totals: dict[str, list[float]] = field(default_factory=dict)  # name -> [seconds, count]
+    _open: list[Span] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def now(self) -> float:
+        return time.time() - self.origin
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[Span]:
+        """A phase of the command's main thread (phases nest: `train` inside `flow`)."""
+        span = Span(name, self.now(), depth=len(self._open))
+        with self._lock:
+            self.spans.append(span)
+            self._open.append(span)
+        try:
+            yield span
+        finally:
+            span.seconds = self.now() - span.start_s
+            with self._lock:
+                self._open.remove(span)
+
+    def add(self, name: str, seconds: float, count: int = 1) -> None:
+        """Seconds spent in many small pieces, from any thread (MLflow calls)."""
+        with self._lock:
+            total = self.totals.setdefault(name, [0.0, 0])
+            total[0] += seconds
+            total[1] += count
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def report(self, end_s: float | None = None) -> dict:
+        """{"wall_s", "phases": [{name, start_s, seconds, depth}], "totals": {name:
+        {seconds, count}}, "other_s"}: other is the wall time no top-level phase covered."""
+        end_s = self.now() if end_s is None else end_s
+        with self._lock:
+            phases = [
+                {"name": s.name, "start_s": round(s.start_s, 3), "depth": s.depth,
+                 "seconds": round((end_s - s.start_s) if s.seconds != s.seconds else s.seconds, 3)}
+                for s in self.spans
+            ]  # fmt: skip
+            totals = {k: {"seconds": round(v[0], 3), "count": int(v[1])}
+                      for k, v in self.totals.items()}  # fmt: skip
+        covered = sum(p["seconds"] for p in phases if p["depth"] == 0)
+        return {"wall_s": round(end_s, 3), "phases": phases, "totals": totals,
+                "other_s": round(max(end_s - covered, 0.0), 3)}  # fmt: skip
+
+
+# The process's timeline: a command has one.
+TIMELINE = Timeline()
+phase = TIMELINE.phase
+add = TIMELINE.add
+timed = TIMELINE.timed
+report = TIMELINE.report
+
+
+def table(rep: dict) -> list[tuple[str, str, str, str]]:
+    """Rows (what, starts at s, seconds, share of the wall) for a terminal or a log."""
+    wall = rep["wall_s"] or float("nan")
+    rows = []
+    for p in rep["phases"]:
+        rows.append(("  " * p["depth"] + p["name"], f"{p['start_s']:.2f}", f"{p['seconds']:.2f}",
+                     f"{p['seconds'] / wall:.0%}"))  # fmt: skip
+    rows.append(("other (no phase)", "", f"{rep['other_s']:.2f}", f"{rep['other_s'] / wall:.0%}"))
+    for name, t in rep["totals"].items():
+        rows.append((f"{name} ({t['count']:,} calls, within phases)", "", f"{t['seconds']:.2f}",
+                     f"{t['seconds'] / wall:.0%}"))  # fmt: skip
+    rows.append(("wall, process start to exit", "", f"{rep['wall_s']:.2f}", "100%"))
+    return rows
