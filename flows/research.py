@@ -40,7 +40,7 @@ from quantloop.tasks.records.summary import (
 from quantloop.tasks.records.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
 from quantloop.tasks.research.planning import product_params
 from quantloop.tasks.research.stage import DamagedOutputs, describe, plan_folds
-from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime import progress, timeline
 from quantloop.tasks.runtime.sites import SiteCounts
 from quantloop.tasks.runtime.workspace import Selection
 
@@ -171,13 +171,15 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     for dead in tracking.close_dead_runs(client, experiment):
         logger.warning("MLflow run %s was left RUNNING by a process that died: marked KILLED", dead)
     feedback.start("data", params.data.lobster_dir or "synthetic")
-    selection = land_data(params)
+    with timeline.phase("landing"):
+        selection = land_data(params)
     partitions = selection.table(ws.catalog()).num_rows
     data_digest = selection.pin  # the digest of exactly the versions landed (and read)
     stage = params.stage(selection)
     # The folds over the landed dates, before any feature is computed: folds that do not
     # fit the dates fail here, naming the validation's fields.
-    planned = plan_folds(stage)
+    with timeline.phase("planning"):
+        planned = plan_folds(stage)
     shown = planned if len(planned) <= 4 else [planned[0], planned[-1]]
     progress.note("validation", f"{len(planned)} fold(s): "
                   + (" ... " if len(shown) < len(planned) else "; ").join(
@@ -241,18 +243,21 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                        rows=partitions)  # fmt: skip
         with stage_heartbeats_off():
             feedback.start("features", f"{partitions:,} nodes, placement {ws.placement}")
-            feats = features_flow(stage, shard_size=params.shard_size,
-                                  parent_run_id=parent.run_id,
-                                  verify_hits=params.verify_hits)  # fmt: skip
+            with timeline.phase("features"):
+                feats = features_flow(stage, shard_size=params.shard_size,
+                                      parent_run_id=parent.run_id,
+                                      verify_hits=params.verify_hits)  # fmt: skip
             healed = 0
             for attempt in (1, 2):
                 try:
                     feedback.start("train", f"{params.train.steps:,} steps")
-                    trained = train_flow(stage, params.train, parent_run_id=parent.run_id)
+                    with timeline.phase("train"):
+                        trained = train_flow(stage, params.train, parent_run_id=parent.run_id)
                     feedback.start("simulate", f"{len(selection.products or []):,} products")
-                    sim = simulate_flow([f.model_url for f in trained.folds], stage,
-                                        params.simulation, parent_run_id=parent.run_id,
-                                        trials=trials)  # fmt: skip
+                    with timeline.phase("simulate"):
+                        sim = simulate_flow([f.model_url for f in trained.folds], stage,
+                                            params.simulation, parent_run_id=parent.run_id,
+                                            trials=trials)  # fmt: skip
                     break
                 except DamagedOutputs as exc:
                     # The store heals itself: the damaged outputs are out of the index, so

@@ -3,7 +3,10 @@ trades are marked out; the out-of-sample mark-outs of all folds are pooled."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
+import json
 import time
 from dataclasses import asdict
 
@@ -14,7 +17,7 @@ from pydantic import BaseModel
 from quantloop.profiling import inference, replay
 from quantloop.tasks.engine import code_fingerprint, storage
 from quantloop.tasks.records import plots, tracking
-from quantloop.tasks.research import folds, simulation, training
+from quantloop.tasks.research import folds, simulation, training, uncertainty
 from quantloop.tasks.research.form import SimForm
 from quantloop.tasks.research.simulation import (
     SimConfig,
@@ -165,9 +168,19 @@ def simulate(
         seconds=sum(x.seconds for x in ran["stats"]),
         warmup_s=sum(x.warmup_s for x in ran["stats"]),
     )
-    model_summary = summarize(merged["model"], config.fee_bps)
-    base_summary = summarize(merged["baseline"], config.fee_bps)
-    keys = config.horizon_keys()
+    # The statistics of these mark-outs are keyed like the mark-outs themselves (with the
+    # estimators' code and the trials): a re-run reads them back instead of importing
+    # arch, statsmodels and matplotlib and recomputing (3-5 s of a cached run here).
+    figures = keyed_output(
+        site.root, "statistic",
+        output_key("statistics", code=code_fingerprint(simulation, uncertainty, plots),
+                   simulations=key, config=asdict(config), trials=trials),
+        ".json",
+        load=lambda url: json.loads(storage.read_bytes(url)),
+        compute=lambda: json.loads(to_json(statistics(merged, config, trials, replayed))),
+        save=lambda url, value: storage.write_bytes_atomic(url, to_json(value).encode()),
+    ).value  # fmt: skip
+    model_summary, base_summary = figures["model"], figures["baseline"]
     result = SimSummary(
         model=model_summary,
         baseline=base_summary,
@@ -175,11 +188,9 @@ def simulate(
         baseline_markout_bps=base_summary["total"]["mean_bps"],
         markout_se_bps=model_summary["total"]["se_bps"],
         baseline_markout_se_bps=base_summary["total"]["se_bps"],
-        paired_bps=paired_difference(merged["model"], merged["baseline"], keys, trials=trials),
-        paired_equal_count_bps=paired_difference(
-            *equal_counts(merged["model"], merged["baseline"]), keys, trials=trials
-        ),
-        pnl={name: pnl(merged[name], config) for name in ("model", "baseline")},
+        paired_bps=figures["paired"],
+        paired_equal_count_bps=figures["paired_equal_count"],
+        pnl=figures["pnl"],
         trades=model_summary["total"]["count"],
         baseline_trades=base_summary["total"]["count"],
         cache_hit=sim_cached,
@@ -189,7 +200,10 @@ def simulate(
         worker=ran["worker"],
         compute_s=ran["compute_s"],
         bytes_across=across,
-        per_fold={fold.index: fold_row(fold, url, sim, config) for fold, url, sim, _ in replayed},
+        per_fold={
+            fold.index: fold_row(fold, url, sim, figures["folds"][str(fold.index)])
+            for fold, url, sim, _ in replayed
+        },
     )
     if ran["stats"]:
         logger.info(
@@ -259,14 +273,7 @@ def simulate(
                       "paired_equal_count": result.paired_equal_count_bps,
                       "pnl": result.pnl, "method": "tasks/research/uncertainty.py"},
                      "validation.json", "validation")  # fmt: skip
-            run.figure(
-                plots.markout_curve(
-                    {"model": result.markout_bps, "baseline": result.baseline_markout_bps},
-                    {"model": result.markout_se_bps,
-                     "baseline": result.baseline_markout_se_bps},
-                ),
-                "markout_curve.png",
-            )  # fmt: skip
+            run.file(base64.b64decode(figures["markout_curve_png"]), "markout_curve.png")
             result.mlflow_run_id = run.run_id
     return result
 
@@ -283,12 +290,52 @@ def pooled(per_fold: list[dict[str, dict[str, pa.Table]]]) -> dict[str, dict[str
     return out
 
 
-def fold_row(fold, model_url: str, sim, config: SimConfig) -> dict:
+def statistics(merged: dict, config: SimConfig, trials: int, replayed: list) -> dict:
+    """Everything the summary and the records say of the pooled mark-outs, JSON-able: both
+    signals' summaries, the paired differences (all trades, equal counts), the P&L, each
+    fold's model mark-out and the mark-out curve as a PNG (base64)."""
+    model_summary = summarize(merged["model"], config.fee_bps)
+    base_summary = summarize(merged["baseline"], config.fee_bps)
+    keys = config.horizon_keys()
+    figure = plots.markout_curve(
+        {"model": model_summary["total"]["mean_bps"],
+         "baseline": base_summary["total"]["mean_bps"]},
+        {"model": model_summary["total"]["se_bps"], "baseline": base_summary["total"]["se_bps"]},
+    )  # fmt: skip
+    import matplotlib.pyplot as plt
+
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    plt.close(figure)
+    folds = {}
+    for fold, _, sim, _ in replayed:
+        model = summarize(sim.value["model"], config.fee_bps)["total"]
+        folds[str(fold.index)] = {
+            "trades": model["count"],
+            "baseline_trades": sum(t.num_rows for t in sim.value["baseline"].values()),
+            "markout_bps": model["mean_bps"],
+        }
+    return {
+        "model": model_summary,
+        "baseline": base_summary,
+        "paired": paired_difference(merged["model"], merged["baseline"], keys, trials=trials),
+        "paired_equal_count": paired_difference(
+            *equal_counts(merged["model"], merged["baseline"]), keys, trials=trials
+        ),
+        "pnl": {name: pnl(merged[name], config) for name in ("model", "baseline")},
+        "folds": folds,
+        "markout_curve_png": base64.b64encode(png.getvalue()).decode(),
+    }
+
+
+def to_json(value: dict) -> str:
+    """NumPy scalars as Python numbers; NaN (an untested horizon) as JSON's NaN."""
+    return json.dumps(value, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+
+
+def fold_row(fold, model_url: str, sim, figures: dict) -> dict:
     """A fold's line of the summary: its window, trade counts and the model's mark-out."""
-    model = summarize(sim.value["model"], config.fee_bps)["total"]
-    baseline_trades = sum(t.num_rows for t in sim.value["baseline"].values())
-    return {"window": fold.window(), "trades": model["count"], "baseline_trades": baseline_trades,
-            "markout_bps": model["mean_bps"], "cache_hit": sim.cache_hit,
+    return {"window": fold.window(), **figures, "cache_hit": sim.cache_hit,
             "simulation_key": sim.key, "model_url": model_url}  # fmt: skip
 
 

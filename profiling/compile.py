@@ -7,7 +7,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch._inductor import list_mode_options
 
 
 def apply_compile(
@@ -39,6 +38,10 @@ def inductor_options(*, autotune: bool, combo: bool) -> dict[str, bool]:
     """Inductor's config for these switches (torch.compile's `options`)."""
     options: dict[str, bool] = {}
     if autotune:
+        # Inductor's import costs 1.5-3 s (sympy among it): only a compile pays it, never a
+        # run that finds its model and simulation cached.
+        from torch._inductor import list_mode_options
+
         options |= list_mode_options("max-autotune-no-cudagraphs")
     if combo:
         options |= {"combo_kernels": True}

@@ -21,12 +21,16 @@ from quantloop.cli.common import (
     console,
     fail,
     log_file,
+    prefect_api,
     quiet_console,
     read_params,
     rich_table,
     validation_errors,
 )
-from quantloop.tasks.records.summary import markout_table, validity_notes
+
+# Imported with the CLI, before any library that registers an exit handler: its own
+# handler runs after theirs, so a run's breakdown counts their shutdown.
+from quantloop.tasks.runtime import timeline
 
 
 def run(
@@ -41,11 +45,21 @@ def run(
     home: HomeOption = None,
     tracking_uri: TrackingUriOption = None,
     workers: Annotated[int | None, typer.Option(help="LocalCluster workers [default: 2]")] = None,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile",
+            help="Print where the time went, from process start to exit (always in the log "
+            "and in <log>.profile.json)",
+        ),
+    ] = False,
     verbose: VerboseOption = False,
 ) -> None:
     """Run the research flow: data -> features -> train -> simulate -> MLflow."""
+    timeline.since_start("start and imports (cli)")
     if not verbose:
         quiet_console()
+    checks = timeline.TIMELINE.begin("checks")
     from quantloop.flows.params import ResearchParams
     from quantloop.tasks.runtime import progress
     from quantloop.tasks.runtime.reaper import reap_on_death
@@ -74,34 +88,46 @@ def run(
     except (ValueError, OSError) as exc:
         fail(str(exc), verbose=verbose, exc=exc)
 
-    # Imported after the checks (torch, Prefect and MLflow take seconds to import) but
-    # before the log file's set-up, which quiets the console handler MLflow adds to its
-    # logger on import.
-    from quantloop.flows.research import research
+    timeline.TIMELINE.end(checks)
 
-    stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
-    log_path = Path(research_params.workspace.home_abs) / "logs" / f"run-{stamp}.log"
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with (
-        log_file(log_path, quiet=not verbose),
-        Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as bar,
-    ):
-        progress.install(ConsoleSink(bar))
-        try:
-            # A kill -9 of this command ends the temporary Prefect server and the Dask
-            # processes with it (tasks/runtime/reaper.py).
-            with reap_on_death():
-                summary = research(research_params)
-        except Exception as exc:  # noqa: BLE001 - one line for the user, the rest in the log
-            bar.stop()
-            logging.getLogger("quantloop").exception("the research run failed")
-            fail(
-                f"{type(exc).__name__}: {exc}\nfull traceback: {log_path}"
-                + ("" if verbose else " (or run with --verbose)"),
-                code=1, verbose=verbose, exc=exc,
-            )  # fmt: skip
-        finally:
-            progress.install(None)
+    # The Prefect API the run records to: a configured one, `quantloop serve`'s, or the
+    # home's resident server, started if need be (tasks/runtime/local_api.py); after the
+    # checks, so bad input starts nothing, and before the flow's imports, which overlap
+    # a start.
+    with prefect_api(research_params.workspace.home_abs, wait=False) as api:
+        # Imported after the checks (Prefect and MLflow take seconds to import) but before the
+        # log file's set-up, which quiets the console handler MLflow adds to its logger on
+        # import.
+        with timeline.phase("imports (flow)"):
+            from quantloop.flows.research import research
+            from quantloop.tasks.records.summary import markout_table, validity_notes
+        api.ready()
+
+        stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+        log_path = Path(research_params.workspace.home_abs) / "logs" / f"run-{stamp}.log"
+        timeline.write_at_exit(log_path, show=print_profile if profile else None)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+        with (
+            log_file(log_path, quiet=not verbose),
+            Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as bar,
+        ):
+            progress.install(ConsoleSink(bar))
+            try:
+                # A kill -9 of this command ends the Dask processes with it
+                # (tasks/runtime/reaper.py); the resident Prefect API is not its child.
+                with reap_on_death(), timeline.phase("flow"):
+                    summary = research(research_params)
+            except Exception as exc:  # noqa: BLE001 - one line for the user, the rest in the log
+                bar.stop()
+                logging.getLogger("quantloop").exception("the research run failed")
+                fail(
+                    f"{type(exc).__name__}: {exc}\nfull traceback: {log_path}"
+                    + ("" if verbose else " (or run with --verbose)"),
+                    code=1, verbose=verbose, exc=exc,
+                )  # fmt: skip
+            finally:
+                progress.install(None)
+    shown = timeline.TIMELINE.begin("output")
     console.print(rich_table(markout_table(summary)))
     for note in validity_notes(summary):
         console.print(note, soft_wrap=True)
@@ -120,3 +146,18 @@ def run(
         tmp.write_text(summary.model_dump_json(indent=2))
         os.replace(tmp, summary_json)
         console.print(f"summary written to {summary_json}", soft_wrap=True)
+    timeline.TIMELINE.end(shown)
+
+
+def print_profile(rows: list[tuple[str, str, str, str]]) -> None:
+    """The breakdown as a table on the console (`--profile`)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="Where the time went (s since the process started)", box=box.SIMPLE_HEAD,
+                  collapse_padding=True)  # fmt: skip
+    for col in ("phase", "starts", "seconds", "share"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)

@@ -12,10 +12,13 @@ is always on: every run's log ends with its breakdown.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
+import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -27,8 +30,6 @@ def _process_start() -> float:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        import os
-
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, StopIteration, IndexError):
         return time.time()  # not Linux: from the first import of this module
@@ -53,19 +54,34 @@ class Timeline:
     def now(self) -> float:
         return time.time() - self.origin
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[Span]:
-        """A phase of the command's main thread (phases nest: `train` inside `flow`)."""
+    def begin(self, name: str) -> Span:
+        """Open a phase (`end` closes it); `phase` is the same as a context manager."""
         span = Span(name, self.now(), depth=len(self._open))
         with self._lock:
             self.spans.append(span)
             self._open.append(span)
+        return span
+
+    def end(self, span: Span) -> None:
+        span.seconds = self.now() - span.start_s
+        with self._lock:
+            if span in self._open:
+                self._open.remove(span)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[Span]:
+        """A phase of the command's main thread (phases nest: `train` inside `flow`)."""
+        span = self.begin(name)
         try:
             yield span
         finally:
-            span.seconds = self.now() - span.start_s
-            with self._lock:
-                self._open.remove(span)
+            self.end(span)
+
+    def since_start(self, name: str) -> None:
+        """A phase from the process's start to now: the interpreter's start-up and the
+        imports before the command's first line."""
+        with self._lock:
+            self.spans.append(Span(name, 0.0, self.now(), depth=0))
 
     def add(self, name: str, seconds: float, count: int = 1) -> None:
         """Seconds spent in many small pieces, from any thread (MLflow calls)."""
@@ -105,6 +121,43 @@ phase = TIMELINE.phase
 add = TIMELINE.add
 timed = TIMELINE.timed
 report = TIMELINE.report
+since_start = TIMELINE.since_start
+
+
+_exit: dict = {}
+
+
+def write_at_exit(log: str | os.PathLike, show: Callable[[list], None] | None = None) -> None:
+    """At the interpreter's exit, call what followed the last phase "shutdown", append
+    the breakdown to the run's log, write it as JSON beside the log
+    (`<log>.profile.json`) and hand its rows to `show`. The handler is registered when
+    this module is first imported (the CLI imports it first), so it runs after every
+    handler registered later: Prefect's server, Dask's cluster and multiprocessing's
+    children are stopped by then, and "shutdown" counts them."""
+    _exit.update(log=log, show=show, started=TIMELINE.now())
+
+
+@atexit.register
+def _write() -> None:
+    if not _exit:
+        return
+    log, show = _exit["log"], _exit["show"]
+    with TIMELINE._lock:
+        ends = [s.start_s + s.seconds for s in TIMELINE.spans if s.seconds == s.seconds]
+        last = max([_exit["started"], *ends])
+        TIMELINE.spans.append(Span("shutdown", last, TIMELINE.now() - last, depth=0))
+    rep = report()
+    rows = table(rep)
+    with contextlib.suppress(OSError):
+        tmp = f"{log}.profile.json.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(rep, f, indent=1)
+        os.replace(tmp, f"{log}.profile.json")
+        with open(log, "a") as f:
+            f.write("where the time went (s since the process started):\n")
+            f.writelines(f"  {r[0]:<48} {r[1]:>8} {r[2]:>8} {r[3]:>5}\n" for r in rows)
+    if show is not None:
+        show(rows)
 
 
 def table(rep: dict) -> list[tuple[str, str, str, str]]:

@@ -1,0 +1,326 @@
+"""Turnaround: `quantloop run` from process start to exit against the work it did.
+
+For each data set (the embedded synthetic default; the LOBSTER samples) and each case:
+
+- cold: an empty home (its resident Prefect API started by the run itself);
+- no-op: the same run again (every node a hit, the models and simulations found by key);
+- one product's feature changed (`product_features`, a new value each repetition);
+- one training parameter changed (`train.seed`, a new value each repetition),
+
+the median of `--repeat` runs (3) of the real CLI in a subprocess: the wall from the
+process's start to its exit, the run's own breakdown (tasks/runtime/timeline.py: imports,
+API, landing, each stage, MLflow calls, shutdown) and the work's compute alone (feature
+node seconds + the training loop + the replay, from the run's summary). The figure is
+wall / compute, and wall - compute: what a run costs beyond its work.
+
+    python bench/turnaround.py                     # both data sets, 3 repetitions
+    python bench/turnaround.py --data synthetic --repeat 1 --name turnaround-quick
+
+Writes bench/results/<name>.json and .md with the machine, date, commit and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report import markdown_table, stamp, stamp_line, write  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LOBSTER = ROOT.parent / "shared" / "data" / "lobster"
+CASES = ("cold", "no-op", "feature changed", "training changed")
+# The breakdown's phases, in the order a run passes them (the table's columns).
+PHASES = (
+    "start and imports (cli)",
+    "checks",
+    "imports (flow)",
+    "api",
+    "landing",
+    "features",
+    "train",
+    "simulate",
+    "shutdown",
+)
+
+
+def quantloop() -> list[str]:
+    exe = Path(sys.executable).with_name("quantloop")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "quantloop.cli"]
+
+
+def data_params(data: str, extra: dict) -> dict:
+    params = json.loads(json.dumps(extra))
+    if data == "lobster":
+        params.setdefault("data", {})["lobster_dir"] = str(LOBSTER)
+    return params
+
+
+def products_of(home: Path) -> list[str]:
+    summary = json.loads((home / "bench-summary.json").read_text())
+    return sorted(summary["per_product"])
+
+
+def changed(params: dict, case: str, rep: int, product: str) -> dict:
+    out = json.loads(json.dumps(params))
+    if case == "feature changed":
+        # one product's order-flow window: that product's feature nodes, then every fold's
+        # model and simulation (they read that product's features), recompute
+        out.setdefault("product_features", {})[product] = {"ofi_window": 60 + 10 * rep}
+    elif case == "training changed":
+        out.setdefault("train", {})["seed"] = 100 + rep
+    return out
+
+
+def run_once(home: Path, params: dict, env: dict) -> dict:
+    """One `quantloop run`: its wall from before the process starts to after it exits,
+    its breakdown and its summary."""
+    pfile = home.parent / f"{home.name}-params.json"
+    pfile.write_text(json.dumps(params))
+    summary_path = home / "bench-summary.json"
+    summary_path.unlink(missing_ok=True)
+    before = set((home / "logs").glob("*.profile.json")) if (home / "logs").exists() else set()
+    cmd = [
+        *quantloop(),
+        "run",
+        "--home",
+        str(home),
+        "--params",
+        str(pfile),
+        "--summary-json",
+        str(summary_path),
+    ]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    [profile] = set((home / "logs").glob("*.profile.json")) - before
+    breakdown = json.loads(profile.read_text())
+    summary = json.loads(summary_path.read_text())
+    sites = summary.get("sites") or {}
+    compute = sum(
+        s.get("compute_s", 0) + s.get("train_s", 0) + s.get("simulate_s", 0) for s in sites.values()
+    )
+    phases: dict[str, float] = {}
+    for p in breakdown["phases"]:
+        phases[p["name"]] = phases.get(p["name"], 0.0) + p["seconds"]
+    # "other": the flow's own overhead (Prefect's flow and task runs, MLflow set-up,
+    # planning) is what "flow" holds beyond its stages
+    stages = sum(
+        phases.get(n, 0.0) for n in ("landing", "planning", "features", "train", "simulate")
+    )
+    phases["flow overhead"] = phases.get("flow", 0.0) - stages
+    phases["after exit handlers"] = max(wall - breakdown["wall_s"], 0.0)
+    return {
+        "wall_s": wall,
+        "compute_s": compute,
+        "cache_hits": summary["cache_hits"],
+        "computed": summary["computed"],
+        "model_cached": summary["model_cached"],
+        "simulation_cached": summary["simulation_cached"],
+        "phases": phases,
+        "totals": breakdown["totals"],
+        "api": next(
+            (
+                line
+                for line in done.stdout.splitlines() + done.stderr.splitlines()
+                if "Prefect API" in line
+            ),
+            "",
+        ),
+    }
+
+
+def median_of(runs: list[dict]) -> dict:
+    def med(values):
+        return statistics.median(values) if values else float("nan")
+
+    phases = sorted({k for r in runs for k in r["phases"]})
+    totals = sorted({k for r in runs for k in r["totals"]})
+    wall, compute = med([r["wall_s"] for r in runs]), med([r["compute_s"] for r in runs])
+    return {
+        "wall_s": wall,
+        "wall_all_s": [round(r["wall_s"], 2) for r in runs],
+        "compute_s": compute,
+        "overhead_s": wall - compute,
+        "ratio": wall / compute if compute > 0 else None,
+        "phases": {k: med([r["phases"].get(k, 0.0) for r in runs]) for k in phases},
+        "totals": {
+            k: {
+                "seconds": med([r["totals"].get(k, {}).get("seconds", 0.0) for r in runs]),
+                "count": med([r["totals"].get(k, {}).get("count", 0) for r in runs]),
+            }
+            for k in totals
+        },
+        "hits": [f"{r['cache_hits']}/{r['cache_hits'] + r['computed']}" for r in runs],
+        "api": [r["api"] for r in runs],
+    }
+
+
+def stop_api(home: Path, env: dict) -> None:
+    subprocess.run(
+        [*quantloop(), "api", "stop", "--home", str(home)], env=env, capture_output=True, text=True
+    )
+
+
+def bench(data: str, repeat: int, extra: dict, work: Path, env: dict) -> dict:
+    params = data_params(data, extra)
+    out: dict[str, dict] = {}
+    homes = [work / f"{data}-cold{r}" for r in range(repeat)]
+    try:
+        cold = []
+        for r, home in enumerate(homes):
+            cold.append(run_once(home, params, env))
+            print(f"{data} cold {r}: {cold[-1]['wall_s']:.1f} s", flush=True)
+            if r > 0:
+                stop_api(home, env)
+        out["cold"] = median_of(cold)
+        home = homes[0]  # the warm home: its API resident, its stores full
+        product = products_of(home)[0]
+        noop = []
+        for r in range(repeat):
+            noop.append(run_once(home, params, env))
+            print(f"{data} no-op {r}: {noop[-1]['wall_s']:.1f} s", flush=True)
+        out["no-op"] = median_of(noop)
+        for case in ("feature changed", "training changed"):
+            runs = []
+            for r in range(repeat):
+                runs.append(run_once(home, changed(params, case, r, product), env))
+                print(f"{data} {case} {r}: {runs[-1]['wall_s']:.1f} s", flush=True)
+            out[case] = median_of(runs)
+    finally:
+        for home in homes:
+            stop_api(home, env)
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Turnaround: `quantloop run` from process start to exit",
+        "",
+        stamp_line(result["stamp"]),
+        "",
+        f"Median of {result['repeat']} runs of the real CLI in a subprocess each. compute: "
+        "the work alone (feature node seconds + the training loop + the replay, from the "
+        "run's summary); overhead: wall - compute. Extra parameters: "
+        f"`{json.dumps(result['extra'])}`.",
+        "",
+    ]
+    rows = []
+    for data, cases in result["data"].items():
+        for case, m in cases.items():
+            ratio = f"{m['ratio']:.2f}" if m["ratio"] else "n/a"
+            rows.append(
+                (
+                    data,
+                    case,
+                    f"{m['wall_s']:.1f}",
+                    f"{m['compute_s']:.1f}",
+                    f"{m['overhead_s']:.1f}",
+                    ratio,
+                    " ".join(m["hits"]),
+                    ", ".join(f"{w:.1f}" for w in m["wall_all_s"]),
+                )
+            )
+    lines += [
+        markdown_table(
+            (
+                "data",
+                "case",
+                "wall s",
+                "compute s",
+                "overhead s",
+                "wall / compute",
+                "feature hits",
+                "each run's wall s",
+            ),
+            rows,
+            numeric=[False, False, True, True, True, True, False, False],
+        ),
+        "",
+    ]
+    lines += ["## Where the time goes (median seconds per phase)", ""]
+    names = [*PHASES, "flow overhead", "after exit handlers"]
+    rows = []
+    for data, cases in result["data"].items():
+        for case, m in cases.items():
+            mlflow = m["totals"].get("mlflow", {})
+            rows.append(
+                (
+                    data,
+                    case,
+                    *(f"{m['phases'].get(n, 0.0):.2f}" for n in names),
+                    f"{mlflow.get('seconds', 0.0):.2f} / {mlflow.get('count', 0):.0f}",
+                )
+            )
+    lines += [
+        markdown_table(
+            ("data", "case", *names, "MLflow s / calls"),
+            rows,
+            numeric=[False, False, *[True] * (len(names) + 1)],
+        ),
+        "",
+    ]
+    lines += [
+        "Phases: `start and imports (cli)` from the process's start to the command's first "
+        "line; `checks` the parameters and the data read and validated; `imports (flow)` "
+        "Prefect, MLflow, Dask and the stages; `api` finding or starting the Prefect API; "
+        "the stages inside the flow; `flow overhead` the flow's time outside its stages "
+        "(Prefect's flow and task runs, MLflow's client and runs, planning); `shutdown` "
+        "from the output to the last exit handler; `after exit handlers` the interpreter's "
+        "teardown, measured from outside. MLflow: the calls' seconds, inside the phases.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--data",
+        default="synthetic,lobster",
+        help="comma-separated: synthetic (the embedded default), lobster",
+    )
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--params",
+        type=Path,
+        default=None,
+        help="research parameters every run gets (the H200's workload shape)",
+    )
+    parser.add_argument("--name", default="turnaround", help="bench/results/<name>.json, .md")
+    parser.add_argument("--results", type=Path, default=None, help="folder for the results")
+    parser.add_argument("--work", type=Path, default=None, help="folder for the runs' homes")
+    args = parser.parse_args()
+    extra = json.loads(args.params.read_text()) if args.params else {}
+    work = args.work or Path(tempfile.mkdtemp(prefix="turnaround-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    result: dict = {"repeat": args.repeat, "extra": extra, "data": {}}
+    try:
+        for data in args.data.split(","):
+            if data == "lobster" and not LOBSTER.is_dir():
+                print(f"skipping lobster: {LOBSTER} not found", flush=True)
+                continue
+            result["data"][data] = bench(data, args.repeat, extra, work, env)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    result["stamp"] = stamp()
+    md = markdown(result)
+    paths = write(args.name, result, md, args.results or ROOT / "bench" / "results")
+    print(md)
+    print("written:", *paths)
+
+
+if __name__ == "__main__":
+    main()
