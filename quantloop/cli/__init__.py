@@ -44,3 +44,31 @@ for command in (run.run, nodes.nodes, reproduce.reproduce, promote.promote, veri
     app.command()(command)
 
 __all__ = ["app", "rich_table"]
+
+
+def console_main() -> None:
+    """The `quantloop` executable: the commands, then an exit that skips the interpreter's
+    teardown. Every exit handler still runs (Prefect's, Dask's, logging's flush, the
+    run's breakdown) and every thread is joined; what is skipped is freeing thousands of
+    modules one by one (torch's among them), 1.5-2 s of a cached re-run on 2 cores that
+    nobody waits for on purpose. Tests call `app` itself and keep the normal exit."""
+    import atexit
+    import sys
+    import threading
+
+    try:
+        app()
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("message"): printed, exit status 1
+            print(exc.code, file=sys.stderr)
+            code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

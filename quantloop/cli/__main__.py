@@ -1,5 +1,5 @@
-"""`python -m quantloop.cli`: the same commands as `quantloop`."""
+"""`python -m quantloop.cli`: the same commands, and the same exit, as `quantloop`."""
 
-from quantloop.cli import app
+from quantloop.cli import console_main
 
-app()
+console_main()

@@ -5,14 +5,17 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from quantloop.tasks.data import schema, synthetic
 from quantloop.tasks.data.catalog import Catalog, Landed
 from quantloop.tasks.data.ingest import DataValidationError, LobsterDay, find_lobster, read_lobster
 from quantloop.tasks.data.schema import Partition
 from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
+from quantloop.tasks.engine import code_fingerprint, sha256_json
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +37,25 @@ def land_synthetic(
     site: str = "local",
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Landed]:
-    """Generate and land every (product, date); unchanged partitions are no-ops."""
+    """Generate and land every (product, date); unchanged partitions are no-ops.
+
+    A partition's source names the generator's code, settings, product and date: when
+    the catalog's current version came from the same source and its file is intact,
+    the day is not generated again (a cached re-run of the default data spent 0.3-0.6 s
+    here generating 12 days to find them unchanged)."""
     landed = []
     parts = [Partition(p, d) for p in products for d in dates]
+    code = code_fingerprint(synthetic, schema)  # what decides the generated table
     for i, part in enumerate(parts):
-        table = generate_day(part.product, part.date, cfg)
-        landed.append(
-            catalog.land(
-                dataset, part, table, root=root, site=site, source=f"synthetic seed={cfg.seed}"
-            )  # fmt: skip
-        )
+        made_by = sha256_json({"code": code, "config": asdict(cfg), "product": part.product,
+                               "date": part.date.isoformat()})  # fmt: skip
+        source = f"synthetic seed={cfg.seed} generator={made_by[:16]}"
+        previous = catalog.get(dataset, part)
+        if previous is not None and previous.source == source and catalog.intact(previous):
+            landed.append(Landed(previous, "unchanged"))
+        else:
+            table = generate_day(part.product, part.date, cfg)
+            landed.append(catalog.land(dataset, part, table, root=root, site=site, source=source))
         if progress:
             progress(i + 1, len(parts))
     return landed
