@@ -22,7 +22,6 @@ the machine, date and commit.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import subprocess
@@ -31,9 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fanout import machine  # bench/ is the script's folder, so on sys.path
-
-from quantloop.tasks.records.provenance import git_commit
+from report import stamp, stamp_line  # bench/ is the script's folder, so on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.servers: the launchers the tests use
@@ -127,6 +124,7 @@ def screenshots(uri: str, run_id: str) -> None:
 def write(args, runs: list[dict]) -> None:
     nodes = sum(r["reproduction"]["nodes"] for r in runs)
     failures = sum(r["reproduction"]["failures"] for r in runs)
+    stamped = stamp()  # machine, date, commit (bench/report.py)
     result = {
         "data": "LOBSTER samples: AMZN (1 and 5 levels) and GOOG (10 levels), 2012-06-21",
         "sample": args.sample,
@@ -136,13 +134,13 @@ def write(args, runs: list[dict]) -> None:
         "promotion_time_s": [r["promotion"].get("promotion_time_s") for r in runs],
         "decisions": [r["promotion"]["decision"] for r in runs],
         "runs": runs,
-        "machine": machine(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(short=True),
+        "machine": stamped["machine"],
+        "date": stamped["date"],
+        "commit": stamped["commit"],
     }
     OUT.write_text(json.dumps(result, indent=2, default=str) + "\n")
     lines = [
-        f"Machine: {result['machine']}; {result['date']}; commit {result['commit']}.",
+        stamp_line(result),
         "",
         "| run | research s | reproduce s | reproduced (nodes, model, simulation) | "
         "failure rate | promote | promotion time s |",

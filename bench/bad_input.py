@@ -15,7 +15,7 @@ Writes bench/results/bad-input.json and .md; records the machine, date and commi
 
 from __future__ import annotations
 
-import datetime as dt
+import argparse
 import json
 import os
 import statistics
@@ -26,9 +26,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from fanout import machine  # bench/ is the script's folder, so on sys.path
-
-from quantloop.tasks.records.provenance import git_commit
+from report import stamp, stamp_line  # bench/ is the script's folder, so on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOBSTER = ROOT.parent / "shared" / "data" / "lobster"
@@ -82,6 +80,8 @@ def timed(cmd: list[str], env: dict) -> tuple[float, int, str]:
 
 
 def main() -> None:
+    # No options: the parser gives `--help` (which would otherwise run the benchmark).
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     if not LOBSTER.is_dir():
         sys.exit(f"bench/bad_input.py needs LOBSTER's samples at {LOBSTER}")
     exe = Path(sys.executable).with_name("quantloop")
@@ -112,6 +112,7 @@ def main() -> None:
             peer_lines = len(out.splitlines())
             print(f"(b) the flow without the CLI's checks: failed in {wall:.2f} s", flush=True)
     a, b = statistics.median(cli), statistics.median(peer)
+    stamped = stamp()  # machine, date, commit (bench/report.py)
     result = {
         "folder": {"files": 6, "mb": round(size_mb, 1), "faults": faults},
         "cli_refused_s": a,
@@ -122,13 +123,13 @@ def main() -> None:
         "flow_output_lines": peer_lines,
         "speedup": b / a,
         "target_s": 3.0,
-        "machine": machine(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(short=True),
+        "machine": stamped["machine"],
+        "date": stamped["date"],
+        "commit": stamped["commit"],
     }
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     md = "\n".join([
-        f"Machine: {result['machine']}; {result['date']}; commit {result['commit']}.",
+        stamp_line(result),
         "",
         f"A folder of 3 bad LOBSTER days ({size_mb:.0f} MB, 6 files; one fault near the end "
         "of each: " + "; ".join(faults) + ").",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkout import use_checkout  # noqa: E402
+from bench.report import commit, stamp  # noqa: E402
 
 use_checkout()
 
@@ -277,8 +277,8 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name(device) if cuda else "cpu",
             "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "commit": args.commit,
+            "date": stamp()["date"],
+            "commit": args.commit or commit(),
             "switches": list(sw.names()),
             "per_gpu_batch": B,
             "samples_per_s": sps,
@@ -354,8 +354,8 @@ def throughput_only(args, cfg, sw, device, store, work_dir, out, one, t0) -> Non
     if rank == 0:
         step_s = tp["timed_s"] / cfg.timed_steps
         result = {
-            "gpus": world, "commit": args.commit,
-            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "gpus": world, "commit": args.commit or commit(),
+            "date": stamp()["date"],
             "allreduce": allreduce, "switches": list(sw.names()), "per_gpu_batch": B,
             "samples_per_s": B * world / step_s, "step_ms": step_s * 1e3,
             "one_gpu_samples_per_s": one["samples_per_s"], "one_gpu_step_ms": one["step_ms"],

@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python bench/fanout.py` from a checkout: tests.servers
 
-from quantloop.tasks.records.provenance import git_commit  # noqa: E402
+from bench.report import stamp  # noqa: E402
 
 EVENTS_PER_PARTITION = 60  # a small day: the node is far smaller than Dask's per-task cost
 # The driver's glibc malloc, set as Dask sets its workers' (MALLOC_TRIM_THRESHOLD_):
@@ -210,15 +210,6 @@ def land_apart(catalog_path, root: str, products: int, dates: int, processes: in
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         landed = pool.starmap(_land_job, [(str(catalog_path), root, s, dates) for s in shares])
     return sum(landed)
-
-
-def machine() -> str:
-    import psutil
-
-    return (
-        f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}"
-    )
 
 
 def main() -> None:
@@ -481,6 +472,7 @@ def report(args, results: dict) -> None:
         return results[key]["nodes_per_s"] if peers else None
 
     b, c = results["b_noop"], results["c_one_product"]
+    stamped = stamp()  # machine, date, commit (bench/report.py)
     summary = {
         "nodes": a["nodes"],
         "products": args.products,
@@ -518,9 +510,9 @@ def report(args, results: dict) -> None:
         "workers": args.workers,
         "driver_malloc": malloc,  # glibc thresholds fixed in the driver (fix_malloc_thresholds)
         "events_per_partition": EVENTS_PER_PARTITION,
-        "machine": machine(),
-        "commit": git_commit(short=True),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": stamped["machine"],
+        "commit": stamped["commit"],
+        "date": stamped["date"],
         "runs": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

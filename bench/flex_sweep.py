@@ -24,7 +24,6 @@ against the default at 128 (rungs 9-12).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkout import use_checkout  # noqa: E402
+from bench.report import commit, stamp  # noqa: E402
 
 use_checkout()
 
@@ -127,8 +127,8 @@ def main() -> None:
     result = {
         "machine": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": args.commit,
+        "date": stamp()["date"],
+        "commit": args.commit or commit(),
         "shape": {"rows": work.pack_rows, "T": work.max_len, "heads": preset("h200").n_heads},
         "iters": ITERS,
         "rows": rows,

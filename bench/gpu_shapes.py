@@ -21,7 +21,6 @@ Writes <out>/gpu-shapes.json (machine, date, commit) and prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkout import use_checkout  # noqa: E402
+from bench.report import commit, stamp  # noqa: E402
 
 use_checkout()
 
@@ -117,8 +117,8 @@ def main() -> None:
     result = {
         "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": args.commit,
+        "date": stamp()["date"],
+        "commit": args.commit or commit(),
         "steps": args.steps,
         "rows": rows,
     }

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkout import use_checkout  # noqa: E402
+from bench.report import commit, stamp  # noqa: E402
 
 use_checkout()
 
@@ -75,8 +76,8 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": args.commit,
+        "date": stamp()["date"],
+        "commit": args.commit or commit(),
         "model": Path(args.model).name,
         "model_rungs": list(model.rungs),
         "fast_mode": fast.stats.mode,

@@ -22,6 +22,7 @@ from pathlib import Path
 # from this checkout (bench/checkout.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkout import use_checkout  # noqa: E402
+from bench.report import commit  # noqa: E402
 
 use_checkout()
 
@@ -29,7 +30,6 @@ from quantloop.profiling.config import preset  # noqa: E402
 from quantloop.profiling.evaluation import CONTROLS  # noqa: E402
 from quantloop.profiling.ladder import run_ladder  # noqa: E402
 from quantloop.profiling.report import report_markdown  # noqa: E402
-from quantloop.tasks.records.provenance import git_commit  # noqa: E402
 
 
 def override(cfg, assignment: str):
@@ -74,7 +74,7 @@ def main() -> None:
     result = run_ladder(
         cfg, str(work), rungs=rungs, controls=controls, log=lambda m: print(m, flush=True)
     )
-    result["commit"] = args.commit or git_commit(short=True)  # no git on the GPU machine
+    result["commit"] = args.commit or commit()  # no git on the GPU machine
     result["wall_s"] = time.perf_counter() - t0
     report = report_markdown(result)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2, default=str))

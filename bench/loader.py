@@ -20,18 +20,15 @@ Writes <out>/loader.json (machine, date, commit) when --out is given.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkout import use_checkout  # noqa: E402
+from bench.report import stamp  # noqa: E402
 
 use_checkout()
 
@@ -88,17 +85,11 @@ def main() -> None:
             research, args.batches, args.reps, mask_block=FLEX_BLOCKS
         ),
     }
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    )
+    stamped = stamp()  # machine, date, commit (bench/report.py)
     result = {
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
+        "machine": stamped["machine"],
+        "date": stamped["date"],
+        "commit": args.commit or stamped["commit"],
         "batch": int(research.order.shape[1]),
         "pack_rows": {"ladder": ladder.pack_rows, "research": research.pack_rows},
         "ms_per_batch": rows,
@@ -109,7 +100,7 @@ def main() -> None:
     print(f"{'loader':<24} {'ms/batch':>9} {'vs ladder':>10}")
     for name, ms in rows.items():
         print(f"{name:<24} {ms:>9.3f} {ms / rows['ladder']:>9.2f}x")
-    print(f"{result['machine']}; {result['date']}; commit {commit}")
+    print(f"{result['machine']}; {result['date']}; commit {result['commit']}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "loader.json").write_text(json.dumps(result, indent=1))

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime as dt
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.report import stamp  # noqa: E402
 
 PARAMS = {
     "data": {"products": ["SYNA", "SYNB"], "n_dates": 3,
@@ -97,13 +95,11 @@ def main() -> None:
             "cache on (quantloop serve)": run_peer("on", MLFLOW_AUTH_INI, calls),
         }
     off_row, on_row = rows.values()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()  # fmt: skip
+    stamped = stamp()  # machine, date, commit (bench/report.py)
     result = {
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
+        "machine": stamped["machine"],
+        "date": stamped["date"],
+        "commit": stamped["commit"],
         "rows": rows,
         "run_wall_ratio": off_row["wall_s"] / on_row["wall_s"],
         "per_call_ratio": off_row["ms_per_call"] / on_row["ms_per_call"],
@@ -114,7 +110,7 @@ def main() -> None:
               f"{r['ms_per_call']:>8.1f}")  # fmt: skip
     print(
         f"off/on: run {result['run_wall_ratio']:.2f}x, per call {result['per_call_ratio']:.1f}x"
-        f"; {result['machine']}; {result['date']}; commit {commit}"
+        f"; {result['machine']}; {result['date']}; commit {result['commit']}"
     )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python bench/placement.py` from a checkout: tests.servers
+from bench.report import stamp, stamp_line  # noqa: E402
 
 NS = {"A": "qlbench-a", "B": "qlbench-b"}
 IP = {"A": "10.213.0.1", "B": "10.213.0.2"}
@@ -161,13 +161,11 @@ def outer(args: argparse.Namespace) -> None:
 
 
 def report(result: dict, args: argparse.Namespace) -> None:
-    from quantloop.tasks.records.provenance import git_commit
-
+    stamped = stamp()  # machine, date, commit (bench/report.py)
     result.update(
-        machine=f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}",
-        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        commit=git_commit()[:7],
+        machine=stamped["machine"],
+        date=stamped["date"],
+        commit=stamped["commit"],
         link=f"veth pair between two network namespaces, tc tbf rate {args.link_mbit} "
         "Mbit/s burst 64 KB latency 100 ms on each end (each direction)",
     )
@@ -175,7 +173,7 @@ def report(result: dict, args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
-        f"Machine: {result['machine']}; {result['date']}; commit {result['commit']}.",
+        stamp_line(result),
         f"Link: {result['link']}; measured {result['measured_link_mbit']:.1f} Mbit/s "
         f"(one {result['probe_bytes'] / 1e6:.1f} MB GET of a B partition from namespace A).",
         f"Data: {result['partitions']} partitions, {result['input_bytes'] / 1e6:.1f} MB "

@@ -34,7 +34,6 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkout import use_checkout  # noqa: E402
+from bench.report import stamp  # noqa: E402
 
 use_checkout()
 
@@ -52,7 +52,6 @@ from scipy.signal import lfilter  # noqa: E402
 
 from quantloop.tasks.data.landing import business_days  # noqa: E402
 from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day  # noqa: E402
-from quantloop.tasks.records.provenance import git_commit  # noqa: E402
 from quantloop.tasks.research import uncertainty  # noqa: E402
 from quantloop.tasks.research.features import FeatureParams, compute_features  # noqa: E402
 from quantloop.tasks.research.gate import GateConfig, paired_gate  # noqa: E402
@@ -311,12 +310,6 @@ def gate_rate(recs: list[dict], pair: str) -> dict[str, float]:
 # ---------------------------------------------------------------- report
 
 
-def machine() -> str:
-    return f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, " + (
-        f"Python {platform.python_version()}"
-    )
-
-
 def _pair_table(rows: dict, title: str, note: str) -> list[str]:
     lines = ["", f"## {title}", "", note, "",
              "| strategy | horizon | reject old | reject new | reject new, centred | SE ratio old "
@@ -426,10 +419,11 @@ def main() -> None:
             for span in ("all", "two")}}
         for name in DAY_STRATEGIES for h in HORIZONS
     } if by_days else {}  # fmt: skip
+    stamped = stamp()  # machine, date, commit (bench/report.py)
     result = {
-        "machine": machine(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(short=True),
+        "machine": stamped["machine"],
+        "date": stamped["date"],
+        "commit": stamped["commit"],
         "replications": len(null),
         "power_replications": args.power_replications,
         "days_replications": args.days_replications,
