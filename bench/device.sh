@@ -14,15 +14,20 @@
 #   bash bench/device.sh research OUT COMMIT one H200: `quantloop run` only, `auto` reading
 #                                            the committed ladder result; twice, on two
 #                                            fresh homes (the spread of a cold run)
+#   bash bench/device.sh turnaround OUT COMMIT one H200: bench/turnaround.py, `quantloop run`
+#                                            from process start to exit (cold, no-op, one
+#                                            feature changed, training changed), REPEAT (3)
+#                                            each, on the ladder's workload shape
 #
-# The machine has torch, Triton, numpy, pyarrow ... but not Prefect, MLflow or Dask: their
-# wheels (and quantloop's, built from COMMIT) travel in WHEELS (default ../.whl) and are
+# The machine has torch, Triton, numpy, pyarrow, pandas, scipy ... but not Prefect, MLflow
+# or Dask: their wheels (and quantloop's, built from COMMIT) travel in WHEELS (default
+# .whl/lite: `python bench/wheelhouse.py` makes it, and the call carries it) and are
 # installed with --no-deps into /tmp/site. Everything the runs write goes to OUT (8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 stage=$1 out=$2 commit=$3
-wheels=${WHEELS:-../.whl}
+wheels=${WHEELS:-.whl/lite}
 preset=${PRESET:-h200} params=${PARAMS:-bench/params/research-h200.json}  # CPU rehearsal: cpu_tiny
 start=$SECONDS
 mkdir -p "$out"
@@ -114,6 +119,39 @@ if [ "$stage" = gap ]; then  # the research run against the top rung, one machin
   for f in /tmp/gap.log /tmp/research.log $home/logs/*.log; do
     [ -f "$f" ] && { echo "===== $f"; cat "$f"; }
   done > "$out/run.log"
+  exit 0
+fi
+if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl || exit 1
+  echo "== wheels installed at $((SECONDS - start)) s"
+  params=$(realpath "$params") out=$(realpath "$out")
+  # A warm machine keeps /tmp: end the resident Prefect APIs a call that ran out of time
+  # left (they run in sessions of their own), then start from empty homes and empty
+  # Inductor and Triton caches, as a fresh machine would.
+  for h in /tmp/turn/*/; do
+    [ -d "$h/prefect" ] && (cd /tmp && PYTHONPATH=/tmp/site python3 -P -m quantloop.cli api \
+      stop --home "$h" > /dev/null 2>&1)
+  done
+  rm -rf /tmp/turn /tmp/turn-inductor /tmp/turn-triton
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/turn-inductor TRITON_CACHE_DIR=/tmp/turn-triton
+  # From /tmp with -P, PYTHONPATH the wheels alone: the runs (`python3 -m quantloop.cli`,
+  # no `quantloop` script beside python3) and their servers and workers import quantloop
+  # from /tmp/site, never the checkout's folders; turnaround.py puts the checkout on its
+  # own path (bench/report.py). The LOBSTER samples (../shared) do not travel: skipped.
+  (cd /tmp && PYTHONPATH=/tmp/site timeout "${TURN_TIMEOUT:-540}" python3 -P \
+    "$repo/bench/turnaround.py" --data "${DATA:-synthetic,lobster}" --repeat "${REPEAT:-3}" \
+    --params "$params" --name turnaround-h200 --results "$out" --work /tmp/turn) 2>&1 \
+    | grep --line-buffered -v Warn | tee /tmp/turnaround.log
+  echo "== turnaround rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
+  # one log: the bench's output, then every run's log and the resident APIs' logs; each
+  # run's phases (<log>.profile.json) apart, which outlive a run out of time
+  for f in /tmp/turnaround.log /tmp/turn/*/logs/*.log /tmp/turn/*/prefect/server.log; do
+    [ -f "$f" ] && { echo "===== $f"; cat "$f"; }
+  done > "$out/run.log"
+  (cd /tmp/turn 2>/dev/null && find . -name '*.profile.json' -print0 \
+    | tar czf "$out/turnaround-profiles.tar.gz" --null -T -)
+  ls -la "$out"
   exit 0
 fi
 if [ "$stage" = research ]; then
