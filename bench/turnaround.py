@@ -173,9 +173,12 @@ def stop_api(home: Path, env: dict) -> None:
     )
 
 
-def bench(data: str, repeat: int, extra: dict, work: Path, env: dict) -> dict:
+def bench(
+    data: str, repeat: int, extra: dict, work: Path, env: dict, out: dict, done=lambda: None
+) -> dict:
+    """The cases on one data set, into `out`; `done()` after each (the results so far are
+    written)."""
     params = data_params(data, extra)
-    out: dict[str, dict] = {}
     homes = [work / f"{data}-cold{r}" for r in range(repeat)]
     try:
         cold = []
@@ -185,6 +188,7 @@ def bench(data: str, repeat: int, extra: dict, work: Path, env: dict) -> dict:
             if r > 0:
                 stop_api(home, env)
         out["cold"] = median_of(cold)
+        done()
         home = homes[0]  # the warm home: its API resident, its stores full
         product = products_of(home)[0]
         noop = []
@@ -192,12 +196,14 @@ def bench(data: str, repeat: int, extra: dict, work: Path, env: dict) -> dict:
             noop.append(run_once(home, params, env))
             print(f"{data} no-op {r}: {noop[-1]['wall_s']:.1f} s", flush=True)
         out["no-op"] = median_of(noop)
+        done()
         for case in ("feature changed", "training changed"):
             runs = []
             for r in range(repeat):
                 runs.append(run_once(home, changed(params, case, r, product), env))
                 print(f"{data} {case} {r}: {runs[-1]['wall_s']:.1f} s", flush=True)
             out[case] = median_of(runs)
+            done()
     finally:
         for home in homes:
             stop_api(home, env)
@@ -306,19 +312,26 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="turnaround-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     result: dict = {"repeat": args.repeat, "extra": extra, "data": {}}
+    folder = args.results or ROOT / "bench" / "results"
+
+    def save() -> tuple[Path, Path]:
+        # after every case: a run cut short (the GPU machine's 10-minute limit) keeps what
+        # it measured
+        result["stamp"] = stamp()
+        return write(args.name, result, markdown(result), folder)
+
     try:
         for data in args.data.split(","):
             if data == "lobster" and not LOBSTER.is_dir():
                 print(f"skipping lobster: {LOBSTER} not found", flush=True)
                 continue
-            result["data"][data] = bench(data, args.repeat, extra, work, env)
+            result["data"][data] = {}
+            bench(data, args.repeat, extra, work, env, result["data"][data], done=save)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    result["stamp"] = stamp()
-    md = markdown(result)
-    paths = write(args.name, result, md, args.results or ROOT / "bench" / "results")
-    print(md)
+    paths = save()
+    print(markdown(result))
     print("written:", *paths)
 
 
