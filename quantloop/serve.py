@@ -9,6 +9,8 @@ all under one home folder that needs no root:
     <home>/serve/prefect/      Prefect's home, its SQLite database, the UI's static files
     <home>/serve/worker/       the worker's Prefect home
     <home>/serve/logs/         prefect-server.log, mlflow-server.log, prefect-worker.log
+    <home>/serve/stack.json    while it runs: where its Prefect API is, so `quantloop run`
+                               and the other commands on this home record their runs there
 
 Every process runs in a session of its own, so Ctrl-C reaches only `serve`, which
 stops them in order (the worker first, which cancels its flow runs) and then ends
@@ -99,6 +101,13 @@ class StackConfig:
     @property
     def logs(self) -> Path:
         return self.state / "logs"
+
+    @property
+    def stack_file(self) -> Path:
+        """Where a running stack says where its Prefect API is (its PID, its URL, whether
+        it is locked), so `quantloop run` on the same home records its runs there
+        (tasks/runtime/local_api.py); removed before the stack stops."""
+        return self.state / "stack.json"
 
     @property
     def prefect_url(self) -> str:
@@ -332,6 +341,19 @@ class Stack:
         }
 
 
+def write_stack_file(cfg: StackConfig) -> None:
+    """The stack's state file, written atomically (its auth string stays in
+    credentials.json)."""
+    me = psutil.Process()
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    state = {"api_url": cfg.api_url, "ui_url": cfg.prefect_url, "mlflow_url": cfg.mlflow_url,
+             "pid": me.pid, "pid_created": f"{me.create_time():.2f}", "auth": cfg.auth,
+             "started_at": started}  # fmt: skip
+    tmp = cfg.stack_file.with_name(f".{cfg.stack_file.name}.tmp-{me.pid}")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, cfg.stack_file)
+
+
 def stop_all(services: list[Service], say: Callable[[str], None]) -> None:
     t0 = time.monotonic()
     for s in reversed(services):
@@ -382,6 +404,8 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
                 timeout=300,
             )
         )
+        write_stack_file(cfg)
+        stack.callback(cfg.stack_file.unlink, missing_ok=True)
         t1 = time.monotonic()
         with temporary_settings({PREFECT_API_URL: cfg.api_url, **client_auth}):
             register_blocks()

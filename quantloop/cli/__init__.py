@@ -12,6 +12,7 @@ import os
 import typer
 
 from quantloop.cli import (
+    api,
     backtest,
     deploy,
     ladder,
@@ -40,7 +41,7 @@ def main() -> None:
 # In the order `quantloop --help` lists them: the researcher's, the auditor's, the operator's.
 for command in (run.run, nodes.nodes, reproduce.reproduce, promote.promote, verify.verify,
                 retrain.retrain, backtest.backtest, replicate.replicate, ladder.ladder,
-                serve.serve, deploy.deploy):  # fmt: skip
+                serve.serve, api.api, deploy.deploy):  # fmt: skip
     app.command()(command)
 
 __all__ = ["app", "rich_table"]

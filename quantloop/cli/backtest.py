@@ -20,6 +20,7 @@ from quantloop.cli.common import (
     check_version,
     console,
     fail,
+    prefect_api,
     quiet_console,
     workspace_of,
     write_json,
@@ -67,17 +68,19 @@ def backtest(
         fail(f"--shard-size must be >= 1, got {shard_size}")
     if not verbose:
         quiet_console()
-    from quantloop.flows.backtest import BacktestFailed
-    from quantloop.flows.backtest import backtest as backtest_flow
+    with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
+        from quantloop.flows.backtest import BacktestFailed
+        from quantloop.flows.backtest import backtest as backtest_flow
 
-    try:
-        result = backtest_flow(model=model, version=version, products=names, start=first,
-                               end=last, device=device, shard_size=shard_size,
-                               workspace=workspace_of(home, tracking_uri))  # fmt: skip
-    except (LookupError, ValueError) as exc:
-        fail(str(exc))
-    except BacktestFailed as exc:
-        fail(str(exc), code=1)
+        api.ready()
+        try:
+            result = backtest_flow(model=model, version=version, products=names, start=first,
+                                   end=last, device=device, shard_size=shard_size,
+                                   workspace=workspace_of(home, tracking_uri))  # fmt: skip
+        except (LookupError, ValueError) as exc:
+            fail(str(exc))
+        except BacktestFailed as exc:
+            fail(str(exc), code=1)
     table = Table(title=f"Backtest of {result.model} version {result.version} (bps)",
                   box=box.SIMPLE_HEAD, collapse_padding=True)  # fmt: skip
     horizons = list(result.total["mean_bps"])

@@ -19,6 +19,10 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from quantloop.tasks.records.summary import TextTable
+    from quantloop.tasks.runtime.local_api import Api, ApiHandle
+
+# tasks/runtime/workspace.py's default home, without importing it (it imports Prefect).
+DEFAULT_HOME = ".quantloop"
 
 # Options several commands share.
 HomeOption = Annotated[
@@ -151,6 +155,58 @@ def validation_errors(exc: ValidationError) -> list[str]:
         given = "" if err["type"] == "missing" else f" (given: {err['input']!r:.60})"
         out.append(f"{where}: {message}{given}")
     return out
+
+
+def home_of(home: str | None) -> str:
+    """The workspace's home folder as Workspace.home_abs resolves it."""
+    return os.path.abspath(os.path.expanduser(home or DEFAULT_HOME))
+
+
+class PrefectApi:
+    """The Prefect API of a command's flows; `ready()` waits for it (a resident server's
+    start) and prints one line saying which it is."""
+
+    def __init__(self, handle: ApiHandle):
+        self.handle = handle
+        self.api: Api | None = None
+
+    def ready(self) -> Api:
+        if self.api is None:
+            from quantloop.tasks.runtime.local_api import LocalApiError
+
+            try:
+                self.api = self.handle.ready()
+            except LocalApiError as exc:
+                fail(str(exc), code=1)
+            console.print(self.api.line(), highlight=False, soft_wrap=True)
+        return self.api
+
+
+@contextlib.contextmanager
+def prefect_api(home: str | None, *, wait: bool = True) -> Iterator[PrefectApi]:
+    """Inside the block, the command's flows record to a Prefect API: a configured one,
+    `quantloop serve`'s on this home, or the home's resident server, started if need be
+    and shared with other commands (tasks/runtime/local_api.py), not a temporary server
+    of the command's own. Enter it after the input checks (bad input starts nothing);
+    with `wait=False`, before the flow's imports, which then overlap a server's start,
+    and call `ready()` before the flow."""
+    from quantloop.tasks.runtime import timeline
+    from quantloop.tasks.runtime.local_api import LocalApiError, using_api
+
+    def say(message: str) -> None:
+        console.print(message, highlight=False, soft_wrap=True)
+
+    with contextlib.ExitStack() as stack:
+        try:
+            handle = stack.enter_context(
+                using_api(home_of(home), say=say, timeline=timeline.TIMELINE, wait=False)
+            )
+        except LocalApiError as exc:
+            fail(str(exc), code=1)
+        api = PrefectApi(handle)
+        if wait:
+            api.ready()
+        yield api
 
 
 def workspace_of(home: str | None, tracking_uri: str | None):

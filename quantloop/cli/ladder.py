@@ -13,6 +13,7 @@ from quantloop.cli.common import (
     HomeOption,
     TrackingUriOption,
     console,
+    prefect_api,
 )
 
 
@@ -42,7 +43,8 @@ def ladder(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    result = ladder_flow(params)
+    with prefect_api(params.workspace.home_abs):
+        result = ladder_flow(params)
     print(report_markdown(result), end="")
     console.print(
         f"MLflow run {result['mlflow_run_id']}; report in {params.out_dir or 'home/ladder'}"

@@ -16,6 +16,7 @@ from quantloop.cli.common import (
     VerboseOption,
     console,
     fail,
+    prefect_api,
     quiet_console,
     workspace_of,
     write_json,
@@ -58,14 +59,17 @@ def promote(
     version. Exits 1 when refused."""
     if not verbose:
         quiet_console()
-    from quantloop.flows.promote import promote as promote_flow
+    with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
+        from quantloop.flows.promote import promote as promote_flow
 
-    try:
-        decision = promote_flow(run, horizon=horizon, alpha=alpha,
-                                min_improvement_bps=min_improvement_bps, reproduce_sample=sample,
-                                workspace=workspace_of(home, tracking_uri))  # fmt: skip
-    except LookupError as exc:
-        fail(str(exc))
+        api.ready()
+        try:
+            decision = promote_flow(run, horizon=horizon, alpha=alpha,
+                                    min_improvement_bps=min_improvement_bps,
+                                    reproduce_sample=sample,
+                                    workspace=workspace_of(home, tracking_uri))  # fmt: skip
+        except LookupError as exc:
+            fail(str(exc))
     for gate, values in decision["gates"].items():
         verdict = "passed" if values["passed"] else "[bold red]failed[/bold red]"
         console.print(f"{gate}: {verdict} ({values.get('why', values)})", soft_wrap=True)

@@ -13,6 +13,7 @@ from quantloop.cli.common import (
     VerboseOption,
     console,
     fail,
+    prefect_api,
     quiet_console,
     workspace_of,
 )
@@ -33,15 +34,17 @@ def replicate(
     the catalog: placement can then run their nodes at that site."""
     if not verbose:
         quiet_console()
-    from quantloop.flows.replicate import replicate as replicate_flow
-    from quantloop.tasks.runtime.workspace import Selection
+    with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
+        from quantloop.flows.replicate import replicate as replicate_flow
+        from quantloop.tasks.runtime.workspace import Selection
 
-    chosen = products.split(",") if products else None
-    try:
-        done = replicate_flow(
-            to, workspace_of(home, None), Selection(dataset=dataset, products=chosen)
-        )
-    except (ValueError, LookupError) as exc:
-        fail(str(exc), verbose=verbose, exc=exc)
+        api.ready()
+        chosen = products.split(",") if products else None
+        try:
+            done = replicate_flow(
+                to, workspace_of(home, None), Selection(dataset=dataset, products=chosen)
+            )
+        except (ValueError, LookupError) as exc:
+            fail(str(exc), verbose=verbose, exc=exc)
     console.print(f"{done['copied']:,} copied ({done['bytes_copied']:,} bytes), "
                   f"{done['present']:,} already at site {done['site']}")  # fmt: skip

@@ -18,6 +18,7 @@ from quantloop.cli.common import (
     VerboseOption,
     console,
     fail,
+    prefect_api,
     quiet_console,
     workspace_of,
     write_json,
@@ -41,13 +42,15 @@ def reproduce(
     without the cache, and compare; exits 1 if anything does not reproduce."""
     if not verbose:
         quiet_console()
-    from quantloop.flows.reproduce import reproduce as reproduce_flow
+    with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
+        from quantloop.flows.reproduce import reproduce as reproduce_flow
 
-    try:
-        report = reproduce_flow(run, sample=sample or None, models=models,
-                                workspace=workspace_of(home, tracking_uri))  # fmt: skip
-    except LookupError as exc:
-        fail(str(exc))
+        api.ready()
+        try:
+            report = reproduce_flow(run, sample=sample or None, models=models,
+                                    workspace=workspace_of(home, tracking_uri))  # fmt: skip
+        except LookupError as exc:
+            fail(str(exc))
     table = Table(title="Reproduction", box=box.SIMPLE_HEAD, collapse_padding=True)
     for col in ("what", "of", "key", "reproduced", "reason"):
         table.add_column(col, no_wrap=col != "reason")

@@ -17,6 +17,7 @@ from quantloop.cli.common import (
     check_version,
     console,
     fail,
+    prefect_api,
     quiet_console,
     workspace_of,
     write_json,
@@ -46,13 +47,15 @@ def retrain(
         fail("--model must not be empty")
     if not verbose:
         quiet_console()
-    from quantloop.flows.retrain import retrain as retrain_flow
+    with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
+        from quantloop.flows.retrain import retrain as retrain_flow
 
-    try:
-        summary = retrain_flow(model=model, alias=alias, days=days,
-                               workspace=workspace_of(home, tracking_uri))  # fmt: skip
-    except LookupError as exc:
-        fail(str(exc))
+        api.ready()
+        try:
+            summary = retrain_flow(model=model, alias=alias, days=days,
+                                   workspace=workspace_of(home, tracking_uri))  # fmt: skip
+        except LookupError as exc:
+            fail(str(exc))
     made = f"new version {summary.new_version}"
     if summary.new_version is None:
         made = f"no new version (this model of these days is version {summary.version})"

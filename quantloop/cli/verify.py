@@ -13,6 +13,7 @@ from quantloop.cli.common import (
     SummaryJsonOption,
     VerboseOption,
     console,
+    prefect_api,
     quiet_console,
     workspace_of,
     write_json,
@@ -34,9 +35,11 @@ def verify(
     dropped from the cache (the next run recomputes them). Exits 1 if anything is damaged."""
     if not verbose:
         quiet_console()
-    from quantloop.flows.verify import verify as verify_flow
+    with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
+        from quantloop.flows.verify import verify as verify_flow
 
-    report = verify_flow(workspace_of(home, None), sample=sample or None, repair=repair)
+        api.ready()
+        report = verify_flow(workspace_of(home, None), sample=sample or None, repair=repair)
     for key, reason in report["outputs_damaged"].items():
         console.print(f"output {key[:16]}: {reason}")
     for line in report["models_damaged"] + report["inputs_damaged"]:
