@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -76,7 +77,8 @@ with local_api.using_api(sys.argv[1], say=lambda m: print("say:", m, flush=True)
         return one() + one() + one()
 
     assert tiny() == 3
-    print("RESULT " + json.dumps({"how": h.api.how, "url": h.api.url,
+    state = local_api.read_json(local_api.paths_of(sys.argv[1]).api)
+    print("RESULT " + json.dumps({"how": h.api.how, "url": h.api.url, "state": state,
                                   "seconds": h.api.seconds}), flush=True)
 """
 
@@ -226,9 +228,20 @@ def test_it_stops_when_idle_and_the_next_command_starts_another(tmp_path, home):
     assert not (home / "prefect" / "api.json").exists()
     assert "idle for" in (home / "prefect" / "server.log").read_text()
 
-    second = use(home, env)
+    # The next command starts another; idle at once (0), it stops as this command leaves,
+    # and what the command's flow sent it is recorded first (task runs travel as events).
+    env["QUANTLOOP_API_IDLE_TIMEOUT_S"] = "0"
+    second = result(subprocess.run([PY, "-c", FLOW, str(home)], env=env, capture_output=True,
+                                   text=True, timeout=400))  # fmt: skip
     assert second["how"].startswith("resident: started in"), second
-    assert second["state"]["pid"] != state["pid"]
+    new = second["state"]
+    assert new["pid"] != state["pid"]
+    assert gone(new["pid"], new["pid_created"], timeout=30)
+    assert gone(new["server_pid"], new["server_created"], timeout=30)
+    with contextlib.closing(sqlite3.connect(home / "prefect" / "prefect.db")) as db:
+        tasks = db.execute("select state_type, count(*) from task_run group by 1").fetchall()
+        flows = db.execute("select state_type, count(*) from flow_run group by 1").fetchall()
+    assert (tasks, flows) == ([("COMPLETED", 3)], [("COMPLETED", 1)])
 
 
 def test_two_commands_at_once_share_one_server(tmp_path, home):

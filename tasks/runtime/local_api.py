@@ -614,7 +614,7 @@ class Api:
             return f"Prefect API: quantloop serve's, {self.url} (UI {self.ui_url})"
         idle = self.idle_timeout_s or 0
         stops = f"{idle / 60:g} min" if idle >= 60 else f"{idle:g} s"
-        stops = f"stops after {stops} idle"
+        stops = f"stops after {stops} idle" if idle else "stops when no command uses it"
         return f"Prefect API: {self.how}; UI {self.ui_url} ({stops}; `quantloop api status`)"
 
 
@@ -815,10 +815,26 @@ class ApiHandle:
 
     def close(self) -> None:
         try:
+            if self._env_saved:
+                _drain_prefect()
             self._unpoint()
         finally:
             if self.pending is not None:
                 self.pending.lease.release()
+
+
+def _drain_prefect(timeout: float = 30.0) -> None:
+    """Send what Prefect's event and log workers still hold (task-run states travel as
+    events) before the lease goes: a server idle at once (QUANTLOOP_API_IDLE_TIMEOUT_S=0)
+    would otherwise stop before the process's exit sends them."""
+    workers = []
+    if "prefect.events.worker" in sys.modules:
+        workers.append(sys.modules["prefect.events.worker"].EventsWorker)
+    if "prefect.logging.handlers" in sys.modules:
+        workers.append(sys.modules["prefect.logging.handlers"].APILogWorker)
+    for worker in workers:
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=timeout, at_exit=False)
 
 
 @contextlib.contextmanager
