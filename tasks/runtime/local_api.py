@@ -464,6 +464,7 @@ class Supervisor:
         """Until idle, a signal, or the server's exit: the exit code."""
         last_busy = time.time()
         poll_s = min(1.0, max(self.idle_s / 4, 0.2))
+        unnamed = 0  # polls in a row that found api.json not naming this supervisor
         while True:
             if self.stopping:
                 _log("stop requested")
@@ -474,6 +475,13 @@ class Supervisor:
                 with _locked(self.paths, wait_s=30.0):  # body runs either way
                     self.forget()
                 return 1
+            state = read_json(self.paths.api)
+            unnamed = unnamed + 1 if state is None or state.get("pid") != self.me.pid else 0
+            if unnamed >= 3:
+                # Its home was wiped (a test's, a benchmark's) or another server took it
+                # over: no command can find this one any more.
+                _log("api.json no longer names this server: stopping")
+                return 0
             now = time.time()
             if live_leases(self.paths):
                 last_busy = now
