@@ -66,9 +66,11 @@ def console_main() -> None:
         else:  # sys.exit("message"): printed, exit status 1
             print(exc.code, file=sys.stderr)
             code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # The interpreter's own first steps at exit, in its order: threading's exit hooks
+    # (concurrent.futures tells its workers to stop) and the join of every non-daemon
+    # thread, then the exit handlers. (Joining the threads without the hooks waited
+    # forever on an executor's idle workers.)
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
