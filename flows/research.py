@@ -155,7 +155,8 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
             and its bounds.
     """
     feedback = RunFeedback(get_run_logger())
-    with progress.adding(feedback):
+    # One MLflow experiment lookup for the run and its stages, not one a stage.
+    with progress.adding(feedback), tracking.shared_clients():
         summary = research_loop(params, feedback)
     feedback.finish()
     return summary
@@ -168,11 +169,12 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     site = ws.resolve_site()
     tracking_block = ws.resolve_tracking()
     client, experiment = tracking.client_for(tracking_block)
-    for dead in tracking.close_dead_runs(client, experiment):
-        logger.warning("MLflow run %s was left RUNNING by a process that died: marked KILLED", dead)
+    closing = tracking.senders().submit(tracking.close_dead_runs, client, experiment)
     feedback.start("data", params.data.lobster_dir or "synthetic")
     with timeline.phase("landing"):
         selection = land_data(params)
+    for dead in closing.result():  # looked for while the data landed
+        logger.warning("MLflow run %s was left RUNNING by a process that died: marked KILLED", dead)
     partitions = selection.table(ws.catalog()).num_rows
     data_digest = selection.pin  # the digest of exactly the versions landed (and read)
     stage = params.stage(selection)
@@ -220,7 +222,6 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 "folds": len(planned),
             }
         )
-        parent.tags(tags)
         # Every input, resolved: the form as run, and each product's effective feature
         # parameters (a per-product override is visible here, not only as another hash).
         effective = product_params(params.features, params.product_features,
@@ -237,7 +238,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
             for k, v in o.items()
         }
         parent.params(dict(list(overrides.items())[:MAX_OVERRIDE_PARAMS]))
-        parent.flush()
+        parent.send()  # in the background, while the stages run; the run's end waits for it
         parent.dataset(name=selection.dataset, digest=data_digest, context="research",
                        source=storage.join(site.root, "datasets", selection.dataset),
                        rows=partitions)  # fmt: skip

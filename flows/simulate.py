@@ -264,7 +264,6 @@ def simulate(
             metrics |= fold_metrics(result.per_fold)
             # MLflow takes no NaN from every store: an untested horizon's SE is left out
             run.metrics({k: float(v) for k, v in metrics.items() if v == v})
-            run.flush()
             run.tags({"simulation_key": key, "cache_hit": sim_cached})
             run.json([{"index": i, **row} for i, row in result.per_fold.items()], "folds.json",
                      "folds")  # fmt: skip

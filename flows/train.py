@@ -385,7 +385,6 @@ def _record(
             curve = m.value.loss_curve
             run.series(f"fold{fold.index}.loss", curve,
                        [(i + 1) * config.log_every for i in range(len(curve))])  # fmt: skip
-        run.flush()
         run.json([{"index": fold.index, "window": fold.window(), "model_key": m.key,
                    "model_digest": m.value.model_digest, "model_url": m.url,
                    "cache_hit": m.cache_hit, "feature_keys": sorted(o.key for o in p.values())}
@@ -401,6 +400,7 @@ def _record(
                                        "fold_window": window_tag(last_fold),
                                        "rungs": ",".join(result.rungs) or "none",
                                        "ladder_result": json.dumps(result.ladder_result)},
+            log=run,  # its step-0 metrics become the logged model's, sent once at the end
         )  # fmt: skip
         run.tags({"registered_model": version.name, "model_version": version.version})
         run.dataset(name=stage.selection.dataset, digest=digests["data_digest"],

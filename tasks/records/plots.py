@@ -5,16 +5,26 @@ Every figure takes plain lists and mappings, so its caller's records stay its ow
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+if TYPE_CHECKING:  # matplotlib (~0.4 s) is imported by the first figure, not by this module
+    from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # no display on workers or CI
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+
+@functools.cache
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on workers or CI
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def loss_curve(loss: list[float], log_every: int) -> Figure:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([(i + 1) * log_every for i in range(len(loss))], loss)
     ax.set_xlabel("step")
@@ -34,6 +44,7 @@ def markout_curve(
     shape, standard errors drawn as bars. Clock horizons ("5s") and event horizons
     ("10ev") are two panels, each on its own axis: they are different clocks, and one
     line through both would join points that are not neighbours."""
+    plt = _pyplot()
     panels = [("clock horizon (s)", "s"), ("event horizon (events)", "ev")]
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.5), sharey=True,
                              gridspec_kw={"width_ratios": [3, 2]})  # fmt: skip
@@ -59,6 +70,7 @@ def throughput_bars(
     labels: Sequence[str], samples_per_s: Sequence[float], ok: Sequence[bool], title: str
 ) -> Figure:
     """One bar per label; red where `ok` is False (a rung that is not equivalent)."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(list(labels), list(samples_per_s), color=["tab:blue" if g else "tab:red" for g in ok])
     ax.set_ylabel("samples/s")
@@ -73,6 +85,7 @@ def loss_vs_baseline(
 ) -> Figure:
     """Two loss curves of interval means (one point per `log_every` steps): the baseline's
     solid, `label`'s dashed."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = [(i + 1) * log_every for i in range(len(base))]
     ax.plot(steps, base, label="baseline")

@@ -19,15 +19,15 @@ import contextlib
 import json
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlflow.entities.model_registry import ModelVersion
-from mlflow.tracking import MlflowClient
-from pydantic import TypeAdapter
-
-from quantloop.tasks.data.catalog import Catalog
 from quantloop.tasks.records.runs import read_artifact
-from quantloop.tasks.research.form import ValidationForm, holdout_into_validation
+
+if TYPE_CHECKING:  # this module imports no MLflow: the client its caller made does
+    from mlflow.entities.model_registry import ModelVersion
+    from mlflow.tracking import MlflowClient
+
+    from quantloop.tasks.data.catalog import Catalog
 
 RESOLVED_PARAMS = "params/resolved_params.json"  # what a research (or retrain) run logs
 _NUMBER = re.compile(r"^[0-9]+$")
@@ -137,6 +137,10 @@ def read_recipe(
 def validation_of(params: dict[str, Any]) -> dict[str, Any]:
     """A run's validation (every WalkForward field) from its resolved form; a form from
     before the folds gives the single split its holdout_fraction made."""
+    from pydantic import TypeAdapter
+
+    from quantloop.tasks.research.form import ValidationForm, holdout_into_validation
+
     given = holdout_into_validation(params).get("validation")
     adapter = TypeAdapter(ValidationForm)
     return asdict(adapter.validate_python({} if given is None else given))

@@ -4,6 +4,19 @@ version of one registered model, tagged with the digests of what made it.
 
 A model is keyed like a node (flows/train.py); its registered version carries that key,
 so a cached model finds its version again instead of registering a copy.
+
+Registration writes the model with `mlflow.pytorch.save_model` (torch.export's format,
+MLflow's default: loading it needs no pickle, which MLflow 3 refuses unless told
+otherwise) and sends it with the client's own calls, not `mlflow.pytorch.log_model`,
+which loads the saved model back to validate the input example as a serving request
+(~1 s; on the H200 it warned that CPU-exported weights do not load on CUDA) and reads
+every metric's history of the run back (a call a metric) to link the metrics to the
+model. The version is made with its tags (not a set-tag call per tag, two requests each
+with MLflow 3's prompt check), the run's step-0 metrics are linked as they are sent
+(`RunLog.link_model`), and the model's files go up side by side. Measured against a
+tracking server with basic auth: 69 requests and ~3.0 s before, 12 and ~1.1 s after.
+
+Importing this module imports neither torch nor MLflow: `register` does.
 """
 
 from __future__ import annotations
@@ -11,32 +24,39 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.metadata
-import io
 import logging
+import os
+import tempfile
+import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlflow
 import numpy as np
-import pyarrow as pa
-import torch
-from mlflow.entities.model_registry import ModelVersion
-from mlflow.models import infer_signature
-from mlflow.tracking import MlflowClient
 
-from quantloop.models.predictor import Predictor
-from quantloop.tasks.research.training import INPUT_CLIP, TrainResult, column_matrix
+from quantloop.tasks.records import tracking
+from quantloop.tasks.runtime import timeline
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from mlflow.entities.model_registry import ModelVersion
+    from mlflow.tracking import MlflowClient
+
+    from quantloop.models.predictor import Predictor
+    from quantloop.tasks.research.training import TrainResult
 
 _logger = logging.getLogger(__name__)
 
 MODEL_KEY_TAG = "model_key"
 EXAMPLE_WINDOWS = 4
+READY_WITHIN_S = 300  # MLflow's own wait for a version a registry makes asynchronously
 
 
 @contextlib.contextmanager
 def tracking_uri(uri: str) -> Iterator[None]:
-    """MLflow's fluent API (which model logging goes through) pointed at `uri` inside
-    the block; quantloop's own calls use explicit clients."""
+    """MLflow's fluent API (`mlflow.pytorch.load_model`, say) pointed at `uri` inside the
+    block; quantloop's own calls use explicit clients."""
+    import mlflow
+
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:
@@ -47,6 +67,11 @@ def tracking_uri(uri: str) -> Iterator[None]:
 
 def predictor(result: TrainResult) -> Predictor:
     """The trained network with its normalization inside, on the CPU, in eval mode."""
+    import torch
+
+    from quantloop.models.predictor import Predictor
+    from quantloop.tasks.research.training import INPUT_CLIP
+
     n = result.normalizer
     net = copy.deepcopy(result.model).to("cpu").eval()  # the trained model stays where it is
     mean, std, label_mean, label_std = (
@@ -59,6 +84,8 @@ def predictor(result: TrainResult) -> Predictor:
 def windows(result: TrainResult, table: pa.Table, anchors: np.ndarray) -> np.ndarray:
     """[len(anchors), T, F] raw feature windows ending at `anchors`, rows before the
     table's start as NaN (padding): the predictor's input."""
+    from quantloop.tasks.research.training import column_matrix
+
     x = column_matrix(table, result.inputs)
     T = result.train_config.window
     rows = anchors[:, None] + np.arange(1 - T, 1)[None, :]
@@ -71,7 +98,7 @@ def windows(result: TrainResult, table: pa.Table, anchors: np.ndarray) -> np.nda
 def requirements() -> list[str]:
     """Exact versions of what loading the model needs (torch.export's format and numpy),
     not MLflow's ~10 s inference of them."""
-    torch_version = torch.__version__.split("+", 1)[0]
+    torch_version = importlib.metadata.version("torch").split("+", 1)[0]
     return [f"torch=={torch_version}", f"numpy=={importlib.metadata.version('numpy')}"]
 
 
@@ -97,38 +124,125 @@ def register(
     name: str,
     model_key: str,
     tags: Mapping[str, Any],
+    log: tracking.RunLog | None = None,
 ) -> ModelVersion:
     """Log the model to the run as an MLflow model and register it as a version of
-    `name`, its version tagged with `tags` (digests of its data, code and parameters)."""
+    `name`, its version tagged with `tags` (digests of its data, code and parameters).
+
+    A model already registered under `model_key` is found (one search), not logged
+    again. `log`: the run's log, whose buffered step-0 metrics become the logged model's
+    metrics too when it sends them (MLflow's log_model links the run's metrics so).
+    `uri`: the client's tracking URI (the client's own is what is used)."""
     found = find_version(client, name, model_key)
     if found is not None:
         return found
+    with timeline.timed("registration"):
+        return _register(client, experiment_id, run_id, result, example_table, name=name,
+                         model_key=model_key, tags=tags, log=log)  # fmt: skip
+
+
+def _register(
+    client: MlflowClient,
+    experiment_id: str,
+    run_id: str,
+    result: TrainResult,
+    example_table: pa.Table,
+    *,
+    name: str,
+    model_key: str,
+    tags: Mapping[str, Any],
+    log: tracking.RunLog | None,
+) -> ModelVersion:
+    import mlflow.pytorch
+    import torch
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+    from mlflow.models import Model, infer_signature
+
     model = predictor(result)
     anchors = np.linspace(0, example_table.num_rows - 1, EXAMPLE_WINDOWS).astype(np.int64)
     example = windows(result, example_table, anchors)
     with torch.no_grad():
         out = model(torch.from_numpy(example)).numpy()
-    with tracking_uri(uri):
-        # Made first in the run's experiment: left to itself, log_model files the model
-        # under the fluent API's active experiment, where the experiment's page never
-        # shows it.
-        logged = mlflow.initialize_logged_model(
-            name=name, source_run_id=run_id, experiment_id=experiment_id,
-            tags={MODEL_KEY_TAG: model_key, **{k: str(v) for k, v in tags.items()}},
-        )  # fmt: skip
-        # MLflow prints "Successfully registered model ..." and "Created version ..." to
-        # stderr itself (not through a logger): they go to the run's log instead, so the
-        # console keeps to the stage lines.
-        printed = io.StringIO()
-        with contextlib.redirect_stderr(printed):
-            info = mlflow.pytorch.log_model(
-                model, name="model", run_id=run_id, model_id=logged.model_id,
-                input_example=example, signature=infer_signature(example, out),
-                pip_requirements=requirements(), registered_model_name=name,
+    version_tags = {MODEL_KEY_TAG: model_key, **{k: str(v) for k, v in tags.items()}}
+    # Made in the run's experiment, as the run's output (the experiment's and the run's
+    # pages list it), with the tags MLflow's own logging gives a model.
+    logged = client.create_logged_model(
+        experiment_id, name=name, source_run_id=run_id,
+        tags={**tracking.source_tags(), **version_tags},
+    )  # fmt: skip
+    try:
+        with tempfile.TemporaryDirectory(prefix="quantloop-model-") as tmp:
+            local = os.path.join(tmp, "model")
+            mlflow.pytorch.save_model(
+                model, local,
+                mlflow_model=Model(artifact_path=logged.artifact_location,
+                                   model_uuid=logged.model_id, run_id=run_id,
+                                   model_id=logged.model_id),
+                signature=infer_signature(example, out), input_example=example,
+                pip_requirements=requirements(), serialization_format="pt2",
             )  # fmt: skip
-        for line in printed.getvalue().splitlines():
-            _logger.info("mlflow: %s", line)
-    version = str(info.registered_model_version)
-    for key, value in {MODEL_KEY_TAG: model_key, **tags}.items():
-        client.set_model_version_tag(name, version, key, str(value))
-    return client.get_model_version(name, version)
+            _upload_folder(client, logged.artifact_location, local)
+        client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
+        client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+        raise
+    if log is not None:
+        log.link_model(logged.model_id)
+    version = _create_version(client, name, logged.model_id, run_id, version_tags)
+    _logger.info("registered %s version %s (logged model %s)", name, version.version,
+                 logged.model_id)  # fmt: skip
+    return version
+
+
+def _create_version(
+    client: MlflowClient, name: str, model_id: str, run_id: str, tags: dict[str, str]
+) -> ModelVersion:
+    """A version of `name` made with all its tags in one call; the registered model is
+    made first only where there is none (one failed call, once per registry)."""
+    from mlflow.exceptions import MlflowException
+
+    def create() -> ModelVersion:
+        # No waiting inside (it logs a line even when there is nothing to wait for): a
+        # tracking server's version is READY as made; one that is not is polled below.
+        return client.create_model_version(name, f"models:/{model_id}", run_id=run_id,
+                                           tags=tags, model_id=model_id,
+                                           await_creation_for=0)  # fmt: skip
+
+    # A local (SQL) registry finds the logged model of a models:/ source through the
+    # fluent API's tracking URI, not the client's: pointed at the client's store here.
+    with tracking_uri(client.tracking_uri):
+        try:
+            version = create()
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            with contextlib.suppress(MlflowException):  # another process made it meanwhile
+                client.create_registered_model(name)
+            version = create()
+    deadline = time.monotonic() + READY_WITHIN_S
+    while version.status == "PENDING_REGISTRATION" and time.monotonic() < deadline:
+        time.sleep(1.0)
+        version = client.get_model_version(name, version.version)
+    if dict(version.tags or {}) != tags:  # a store that answers without them
+        version = client.get_model_version(name, version.version)
+    return version
+
+
+def _upload_folder(client: MlflowClient, artifact_uri: str, folder: str) -> None:
+    """Every file of `folder` to `artifact_uri`, side by side (a round trip each, ~7)."""
+    repo = tracking.artifact_repo(client, artifact_uri)
+    files = []
+    for root, _, names in os.walk(folder):
+        rel = os.path.relpath(root, folder)
+        files += [(os.path.join(root, n), None if rel == "." else rel) for n in names]
+
+    def upload(path: str, artifact_path: str | None) -> None:
+        with tracking.mlflow_call():
+            repo.log_artifact(path, artifact_path)
+
+    futures = [tracking.senders().submit(upload, *f) for f in files]
+    failed = [exc for f in futures if (exc := f.exception()) is not None]
+    if failed:
+        raise failed[0]

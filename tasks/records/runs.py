@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
-from mlflow.entities import Run
-from mlflow.tracking import MlflowClient
-
-from quantloop.tasks.engine import storage
 from quantloop.tasks.records.tracking import PARENT_TAG, STORE_TAG
-from quantloop.tasks.research.window import held_out_id, lineage_fold
+
+if TYPE_CHECKING:  # imported where used: this module imports no MLflow, Arrow or store
+    import pyarrow as pa
+    from mlflow.entities import Run
+    from mlflow.tracking import MlflowClient
 
 _MLFLOW_ID = re.compile(r"^[0-9a-f]{32}$")
 # Runs with stage runs (features, train, simulate) under them: a research run, and a
@@ -61,6 +61,8 @@ def stage_runs(client: MlflowClient, research: Run) -> dict[str, Run]:
 def model_lineage(client: MlflowClient, run: Run) -> dict:
     """The lineage record (flows/train.py record_lineage) of the model a research (or
     retrain) run registered, from the run's store; LookupError naming what is missing."""
+    from quantloop.tasks.engine import storage
+
     name, number = run.data.tags.get("registered_model"), run.data.tags.get("model_version")
     if not name or not number:
         raise LookupError(f"run {run.info.run_id} registered no model version")
@@ -83,6 +85,8 @@ def count_trials(client: MlflowClient, experiment_id: str, data_digest: str, win
     record names: the test dates and the intraday cut, which with the pin are the
     held-out data). Runs with the same parameters (tag `params_hash`) made the same model
     and count once. At least 1: the candidate is a trial."""
+    from quantloop.tasks.research.window import held_out_id, lineage_fold
+
     where = f"tags.data_digest = '{data_digest}' and attributes.status = 'FINISHED'"
     seen: set[str] = set()
     token = None
@@ -151,6 +155,8 @@ def read_artifact(client: MlflowClient, run_id: str, path: str) -> bytes:
 
 def manifest_tables(client: MlflowClient, features_run_id: str) -> list[pa.Table]:
     """The node records a features run attached (its manifest, in one or more parts)."""
+    from quantloop.tasks.engine import storage
+
     paths = artifact_files(client, features_run_id, "manifest", ".parquet")
     if not paths:
         raise LookupError(f"features run {features_run_id} has no node manifest attached")

@@ -1,39 +1,128 @@
 """MLflow recording in batches: one HTTP call carries up to 1,000 metrics.
 
-A tracking-server round trip costs ~66 ms here, so nothing in quantloop logs a
-metric at a time; stages collect values and send them with `RunLog.flush()`.
+A tracking-server round trip costs ~66 ms (more behind basic auth), so nothing in
+quantloop logs a value at a time: stages collect values and send them with
+`RunLog.flush()`; a run's files go up on background threads while the stage goes on, and
+the run waits for them before it ends (a failed upload fails the run, never silently).
+
+Every MLflow call made through a client of `client_for` (or by RunLog) adds its seconds
+to the process timeline's "mlflow" total (tasks/runtime/timeline.py), one count a call:
+`quantloop run --profile` says how many calls a run made and what they cost.
+
+Importing this module imports no MLflow (that is ~1.3 s): the first client does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import getpass
+import hashlib
+import inspect
 import json
 import os
+import queue
+import shutil
 import socket
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import pyarrow as pa
-from mlflow.data.dataset_source_registry import resolve_dataset_source
-from mlflow.data.meta_dataset import MetaDataset
-from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
-from mlflow.tracking import MlflowClient
 
-from quantloop.blocks.tracking import MlflowTracking
-from quantloop.tasks.engine import storage
 from quantloop.tasks.records.provenance import git_commit
+from quantloop.tasks.runtime import timeline
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from mlflow.store.artifact.artifact_repo import ArtifactRepository
+    from mlflow.tracking import MlflowClient
+
+    from quantloop.blocks.tracking import MlflowTracking
 
 _MAX_METRICS, _MAX_PARAMS, _MAX_TAGS = 1000, 100, 100
+_MAX_ENTITIES = 1000  # metrics, params and tags of one log_batch together
+_MAX_BATCH_CHARS = 800_000  # MLflow refuses a log_batch request over 1 MB
 _MAX_PARAM_CHARS = 6000  # MLflow's cap on a parameter value
 # The experiment opens in the UI's model-training view, not its GenAI view.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 PARENT_TAG = "mlflow.parentRunId"
+SENDERS = 4  # threads that upload a run's files while the run goes on
+_SENDER_NAME = "mlflow-send"
+BACKGROUND_TOTAL = "mlflow, background"
+
+
+# ---------------------------------------------------------------- timing every call
+
+_calls = threading.local()
+
+
+@contextlib.contextmanager
+def mlflow_call() -> Iterator[None]:
+    """An MLflow call: its seconds go to the timeline's "mlflow" total (a call the run
+    waited for) or BACKGROUND_TOTAL (one a sender thread made while the run went on),
+    counted once however many MLflow calls it makes inside (a client method that calls
+    another)."""
+    depth = getattr(_calls, "depth", 0)
+    _calls.depth = depth + 1
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _calls.depth = depth
+        if depth == 0:
+            sender = threading.current_thread().name.startswith(_SENDER_NAME)
+            timeline.add(BACKGROUND_TOTAL if sender else "mlflow", time.perf_counter() - t0)
+
+
+@functools.cache
+def _timed_client_class() -> type:
+    """MlflowClient with every public method timed by `mlflow_call`."""
+    from mlflow.tracking import MlflowClient
+
+    def timed(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            with mlflow_call():
+                return method(self, *args, **kwargs)
+
+        return call
+
+    methods = {name: timed(fn) for name, fn in vars(MlflowClient).items()
+               if not name.startswith("_") and inspect.isfunction(fn)}  # fmt: skip
+    return type("TimedMlflowClient", (MlflowClient,), methods)
+
+
+# ---------------------------------------------------------------- client and experiment
+
+# (client, experiment id) by tracking URI, experiment, artifact location and credentials,
+# while a `shared_clients()` block is open: the stages of one run look the experiment up
+# once, not once each.
+_shared: dict[tuple, tuple[MlflowClient, str]] = {}
+_shared_users = 0
+_shared_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def shared_clients() -> Iterator[None]:
+    """Inside the block, `client_for` gives the client and experiment id it gave first
+    for the same block settings (one experiment lookup a research run, not one a stage);
+    forgotten when the last such block ends, so a later run looks again."""
+    global _shared_users
+    with _shared_lock:
+        _shared_users += 1
+    try:
+        yield
+    finally:
+        with _shared_lock:
+            _shared_users -= 1
+            if _shared_users == 0:
+                _shared.clear()
 
 
 def client_for(tracking: MlflowTracking) -> tuple[MlflowClient, str]:
@@ -44,12 +133,26 @@ def client_for(tracking: MlflowTracking) -> tuple[MlflowClient, str]:
         # credentials win over the environment's.
         os.environ["MLFLOW_TRACKING_USERNAME"] = tracking.username
         os.environ["MLFLOW_TRACKING_PASSWORD"] = tracking.password.get_secret_value()
+    secret = hashlib.sha256(os.environ.get("MLFLOW_TRACKING_PASSWORD", "").encode()).hexdigest()
+    key = (uri, tracking.experiment, tracking.resolved_artifact_location(),
+           os.environ.get("MLFLOW_TRACKING_USERNAME", ""), secret)  # fmt: skip
+    with _shared_lock:
+        if _shared_users and key in _shared:
+            return _shared[key]
+    found = _client_for(tracking, uri)
+    with _shared_lock:
+        if _shared_users:
+            _shared[key] = found
+    return found
+
+
+def _client_for(tracking: MlflowTracking, uri: str) -> tuple[MlflowClient, str]:
     with _store_lock(uri):
         # Opening a SQLite store creates its tables (the client's constructor opens the
         # tracking store, the first registry call the registry's): two first runs at
         # once raced in the migration ("alembic_version ... 0 found", then "duplicate
         # column name: step" in CI), so both are opened under the lock.
-        client = MlflowClient(tracking_uri=uri)
+        client = _timed_client_class()(tracking_uri=uri)
         if uri.startswith("sqlite:///"):
             client.search_registered_models(max_results=1)
         exp = client.get_experiment_by_name(tracking.experiment)
@@ -88,6 +191,35 @@ def _store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def artifact_repo(client: MlflowClient, artifact_uri: str) -> ArtifactRepository:
+    """The artifact store at `artifact_uri` (a run's or a logged model's), reached as the
+    client reaches it, without the client's lookup of the location (a call each run)."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+    from mlflow.utils.uri import add_databricks_profile_info_to_artifact_uri
+
+    uri = add_databricks_profile_info_to_artifact_uri(artifact_uri, client.tracking_uri)
+    return get_artifact_repository(uri, tracking_uri=client.tracking_uri)
+
+
+_end_lock = threading.Lock()
+
+
+def end_run(client: MlflowClient, run_id: str, status: str) -> None:
+    """set_terminated without the run lookup MLflow makes to print the run's URL (a call
+    a run: quantloop's own output links the runs)."""
+    name = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+    with _end_lock:
+        before = os.environ.get(name)
+        os.environ[name] = "true"
+        try:
+            client.set_terminated(run_id, status)
+        finally:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
 # Who made a run: a later run on the same host can tell a run whose process died
 # (SIGKILL, power loss) from one still going, and mark it KILLED.
 HOST_TAG, PID_TAG, PID_START_TAG = "quantloop.host", "quantloop.pid", "quantloop.pid_start"
@@ -118,6 +250,8 @@ def close_dead_runs(client: MlflowClient, experiment_id: str) -> list[str]:
     """Mark KILLED the RUNNING runs this host's processes made and left behind when they
     died; returns their ids. Runs of other hosts are left alone (their liveness is not
     visible from here)."""
+    from mlflow.entities import RunTag
+
     host = socket.gethostname()
     found = client.search_runs(
         [experiment_id],
@@ -128,64 +262,239 @@ def close_dead_runs(client: MlflowClient, experiment_id: str) -> list[str]:
     for r in found:
         tags = r.data.tags
         if PID_TAG in tags and not _process_alive(int(tags[PID_TAG]), tags.get(PID_START_TAG, "")):
-            client.set_tag(r.info.run_id, "quantloop.closed", "its process died; marked KILLED")
-            client.set_terminated(r.info.run_id, "KILLED")
+            closing = RunTag("quantloop.closed", "its process died; marked KILLED")
+            client.log_batch(r.info.run_id, tags=[closing])
+            end_run(client, r.info.run_id, "KILLED")
             closed.append(r.info.run_id)
     return closed
 
 
-class RunLog:
-    """Buffers params, tags and metrics of one MLflow run and sends them in batches."""
+# ---------------------------------------------------------------- one run's records
 
-    def __init__(self, client: MlflowClient, run_id: str):
+
+class Senders:
+    """A few daemon threads that send records in the background, first come first sent.
+
+    Daemon threads, not a ThreadPoolExecutor's: nothing waits for them at exit (a
+    command that joins every thread before its exit handlers would wait forever on an
+    executor's idle workers), and nothing needs to, as every send is waited for by
+    whoever made it (a run's end, registration's upload)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._pid, self._queue, self._started = 0, queue.SimpleQueue(), 0
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child has none of its parent's threads
+                self._pid, self._queue, self._started = os.getpid(), queue.SimpleQueue(), 0
+            if self._started < self.threads:
+                self._started += 1
+                threading.Thread(target=self._work, args=(self._queue,), daemon=True,
+                                 name=f"{_SENDER_NAME}-{self._started}").start()  # fmt: skip
+            self._queue.put((future, fn, args))
+        return future
+
+    @staticmethod
+    def _work(jobs: queue.SimpleQueue) -> None:
+        while True:
+            future, fn, args = jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - the future's owner raises it
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+
+_SENDERS = Senders(SENDERS)
+
+
+def senders() -> Senders:
+    """The process's background senders."""
+    return _SENDERS
+
+
+class RunLog:
+    """Buffers params, tags and metrics of one MLflow run and sends them in batches.
+
+    Files (artifact, file, json, table, figure) and datasets go up on background threads
+    when `background` is set (a `run()` block's log): `flush()` and the end of the run
+    wait for them and raise the first failure. Without it (a log made for an existing
+    run), every call sends before it returns."""
+
+    def __init__(self, client: MlflowClient, run_id: str, artifact_uri: str | None = None,
+                 *, background: bool = False):  # fmt: skip
         self.client = client
         self.run_id = run_id
-        self._metrics: list[Metric] = []
-        self._params: list[Param] = []
-        self._tags: list[RunTag] = []
+        self.artifact_uri = artifact_uri  # the run's, from its creation: no lookup
+        self.background = background
+        self._metrics: list = []
+        self._params: list = []
+        self._tags: list = []
+        self._pending: list[Future] = []
+        self._last_send: Future | None = None
+        self._repo: ArtifactRepository | None = None
 
     def params(self, values: Mapping[str, Any]) -> None:
         """Parameters, each value written one way: lists and tuples as JSON lists
         ([1, 10, 100], never (1, 10, 100)), mappings as JSON, the rest as str()."""
+        from mlflow.entities import Param
+
         self._params += [Param(k, param_value(v)) for k, v in values.items()]
 
     def tags(self, values: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
         self._tags += [RunTag(k, str(v)) for k, v in values.items()]
 
     def metrics(self, values: Mapping[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
         ts = int(time.time() * 1000)
         self._metrics += [Metric(k, float(v), ts, step) for k, v in values.items() if v is not None]
 
     def series(self, name: str, values: list[float], steps: list[int] | None = None) -> None:
+        from mlflow.entities import Metric
+
         ts = int(time.time() * 1000)
         steps = steps if steps is not None else list(range(len(values)))
         self._metrics += [Metric(name, float(v), ts, s) for s, v in zip(steps, values, strict=True)]
 
+    def link_model(self, model_id: str) -> None:
+        """The buffered step-0 metrics also become metrics of logged model `model_id` (what
+        MLflow's log_model does by reading every metric's history back: a call each)."""
+        from mlflow.entities import Metric
+
+        self._metrics = [
+            Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id, run_id=self.run_id)
+            if m.step == 0 and m.model_id is None else m
+            for m in self._metrics
+        ]  # fmt: skip
+
     def flush(self) -> None:
-        """Send everything buffered: ceil(n / 1000) calls, not one per value."""
+        """Wait for this run's sends in flight, then send everything buffered: one call
+        per 1,000 values, not one per value. The first failure raises, after the rest."""
+        failed = self._wait()
         while self._metrics or self._params or self._tags:
-            metrics, self._metrics = self._metrics[:_MAX_METRICS], self._metrics[_MAX_METRICS:]
-            params, self._params = self._params[:_MAX_PARAMS], self._params[_MAX_PARAMS:]
-            tags, self._tags = self._tags[:_MAX_TAGS], self._tags[_MAX_TAGS:]
+            self._log_batch(*self._batch())
+        if failed is not None:
+            raise failed
+
+    def send(self) -> None:
+        """Hand everything buffered to the background senders and go on (a `run()`
+        block's log; another sends now). Sent in order: after this run's earlier sends,
+        before its next flush; a failure raises at that flush."""
+        if not self.background:
+            self.flush()
+            return
+        batches = []
+        while self._metrics or self._params or self._tags:
+            batches.append(self._batch())
+        previous = self._last_send
+
+        def job() -> None:
+            if previous is not None:  # its failure is its own to report
+                with contextlib.suppress(Exception):
+                    previous.result()
+            for batch in batches:
+                self._log_batch(*batch)
+
+        self._last_send = senders().submit(job)
+        self._pending.append(self._last_send)
+
+    def _log_batch(self, params: list, tags: list, metrics: list) -> None:
+        with mlflow_call():
             self.client.log_batch(self.run_id, metrics=metrics, params=params, tags=tags)
 
+    def _batch(self) -> tuple[list, list, list]:
+        """The next log_batch: at most 100 params, 100 tags, 1,000 values in all, under
+        MLflow's request size."""
+        room, chars = _MAX_ENTITIES, _MAX_BATCH_CHARS
+        out = []
+        for attr, cap in (("_params", _MAX_PARAMS), ("_tags", _MAX_TAGS),
+                          ("_metrics", _MAX_METRICS)):  # fmt: skip
+            items, n = getattr(self, attr), 0
+            while n < min(cap, room, len(items)) and (n == 0 or _chars(items[n]) <= chars):
+                chars -= _chars(items[n])
+                n += 1
+            room -= n
+            out.append(items[:n])
+            setattr(self, attr, items[n:])
+        return out[0], out[1], out[2]
+
+    def _wait(self) -> BaseException | None:
+        pending, self._pending, self._last_send = self._pending, [], None
+        failed = None
+        for future in pending:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - raised by flush()
+                failed = failed or exc
+        return failed
+
+    def _send(self, job: Callable[[], None]) -> None:
+        if self.background:
+            self._pending.append(senders().submit(job))
+        else:
+            job()
+
+    def _artifacts(self) -> ArtifactRepository | None:
+        if self._repo is None and self.artifact_uri is not None:
+            self._repo = artifact_repo(self.client, self.artifact_uri)
+        return self._repo
+
+    def _upload(self, path: str, artifact_path: str | None) -> None:
+        with mlflow_call():
+            repo = self._artifacts()
+            if repo is None:
+                self.client.log_artifact(self.run_id, path, artifact_path)
+            elif os.path.isdir(path):
+                name = os.path.basename(os.path.normpath(path))
+                repo.log_artifacts(path, f"{artifact_path}/{name}" if artifact_path else name)
+            else:
+                repo.log_artifact(path, artifact_path)
+
     def artifact(self, path: str, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, path, artifact_path)
+        """Log a local file (or folder); it must stay in place until the run's flush."""
+        self._send(lambda: self._upload(path, artifact_path))
 
     def table(self, table: pa.Table, name: str, artifact_path: str | None = None) -> None:
         """Log an Arrow table as a Parquet artifact."""
+        from quantloop.tasks.engine import storage
+
         self.file(storage.parquet_bytes(table), name, artifact_path)
 
     def file(self, data: bytes, name: str, artifact_path: str | None = None) -> None:
         """Log bytes as an artifact file called `name`."""
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, name)
-            with open(path, "wb") as f:
-                f.write(data)
-            self.artifact(path, artifact_path)
+        self._write_and_send(lambda path: _write(path, data), name, artifact_path)
+
+    def _write_and_send(self, write: Callable[[str], None], name: str,
+                        artifact_path: str | None) -> None:  # fmt: skip
+        folder = tempfile.mkdtemp(prefix="quantloop-artifact-")
+        try:
+            path = os.path.join(folder, name)
+            write(path)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+        def send() -> None:
+            try:
+                self._upload(path, artifact_path)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+
+        self._send(send)
 
     def figure(self, fig: Any, name: str) -> None:
-        self.client.log_figure(self.run_id, fig, name)
+        """Log a matplotlib figure as an image called `name` (drawn here, sent behind)."""
+        folder, file = os.path.split(name)
+        self._write_and_send(fig.savefig, file, folder or None)
 
     def json(self, value: Any, name: str, artifact_path: str | None = None) -> None:
         """Log a JSON-able value as a .json artifact (the UI shows it)."""
@@ -195,6 +504,10 @@ class RunLog:
     def dataset(self, *, name: str, source: str, digest: str, context: str, rows: int) -> None:
         """An input dataset of the run (the UI's Datasets column): which catalog dataset,
         where it lives, and the digest of exactly the partition versions read."""
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+
         with warnings.catch_warnings():
             # a local path matches two registered local sources, both the same class
             warnings.simplefilter("ignore", UserWarning)
@@ -205,7 +518,24 @@ class RunLog:
         )  # fmt: skip
         tags = [InputTag("mlflow.data.context", context), InputTag("quantloop.digest", digest),
                 InputTag("quantloop.partitions", str(rows))]  # fmt: skip
-        self.client.log_inputs(self.run_id, [DatasetInput(ds._to_mlflow_entity(), tags)])
+        inputs = [DatasetInput(ds._to_mlflow_entity(), tags)]
+
+        def send() -> None:
+            with mlflow_call():
+                self.client.log_inputs(self.run_id, inputs)
+
+        self._send(send)
+
+
+def _chars(entity: Any) -> int:
+    """About what a param, tag or metric adds to a log_batch request (JSON)."""
+    value = entity.value
+    return len(entity.key) + (len(value) if isinstance(value, str) else 30) + 90
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def param_value(value: Any) -> str:
@@ -227,8 +557,9 @@ def _prefect_tags() -> dict[str, str]:
             "prefect_flow_run_name": flow_run.name}  # fmt: skip
 
 
-def _source_tags(prefect: Mapping[str, str]) -> dict[str, str]:
+def source_tags(prefect: Mapping[str, str] | None = None) -> dict[str, str]:
     """What the UI's Source and User columns show: the flow (or command) and commit."""
+    prefect = _prefect_tags() if prefect is None else prefect
     flow = prefect.get("prefect_flow")
     source = f"quantloop.flows.{flow}" if flow else "quantloop"
     tags = {"mlflow.source.name": source, "mlflow.source.type": "JOB",
@@ -247,26 +578,35 @@ def run(
     parent: str | None = None,
     tags: Mapping[str, Any] | None = None,
 ) -> Iterator[RunLog]:
-    """An MLflow run that ends FINISHED, or FAILED if the block raises; flushed on exit.
+    """An MLflow run that ends FINISHED, or FAILED if the block raises or a record of it
+    failed to send; flushed on exit (files still in flight included).
 
     Its name carries the Prefect flow run's ("research-clever-fox"), its
-    `quantloop.stage` tag the bare `name` ("research")."""
+    `quantloop.stage` tag the bare `name` ("research"). Made with all its tags in one call."""
     prefect = _prefect_tags()
     run_name = f"{name}-{prefect['prefect_flow_run_name']}" if prefect else name
     all_tags = {"mlflow.runName": run_name, "quantloop.stage": name, **_owner_tags(),
-                **_source_tags(prefect), **prefect, **(tags or {})}  # fmt: skip
+                **source_tags(prefect), **prefect, **(tags or {})}  # fmt: skip
     if parent:
         all_tags[PARENT_TAG] = parent
-    created = client.create_run(
-        experiment_id, run_name=run_name, tags={k: str(v) for k, v in all_tags.items()}
-    )
-    log = RunLog(client, created.info.run_id)
+    with mlflow_call():
+        created = client.create_run(
+            experiment_id, run_name=run_name, tags={k: str(v) for k, v in all_tags.items()}
+        )
+    log = RunLog(client, created.info.run_id, created.info.artifact_uri, background=True)
     try:
         yield log
     except BaseException:
         with contextlib.suppress(Exception):
             log.flush()
-        client.set_terminated(log.run_id, "FAILED")
+        with mlflow_call():
+            end_run(client, log.run_id, "FAILED")
         raise
-    log.flush()
-    client.set_terminated(log.run_id, "FINISHED")
+    try:
+        log.flush()
+    except BaseException:
+        with contextlib.suppress(Exception), mlflow_call():
+            end_run(client, log.run_id, "FAILED")
+        raise
+    with mlflow_call():
+        end_run(client, log.run_id, "FINISHED")
