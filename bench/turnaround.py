@@ -310,6 +310,7 @@ def main() -> None:
     args = parser.parse_args()
     extra = json.loads(args.params.read_text()) if args.params else {}
     work = args.work or Path(tempfile.mkdtemp(prefix="turnaround-"))
+    work.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     result: dict = {"repeat": args.repeat, "extra": extra, "data": {}}
     folder = args.results or ROOT / "bench" / "results"
