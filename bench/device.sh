@@ -47,7 +47,7 @@ if [ "$stage" = ddp-nograph ]; then  # the same without the whole-step CUDA grap
   exit 0
 fi
 if [ "$stage" = ddp-ctas ]; then  # the all-reduce under backward: NCCL's blocks capped
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl || exit 1  # pydantic, for the workload's config
   export PYTHONPATH=/tmp/site
   run() { timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node "$1" \
@@ -72,7 +72,7 @@ fi
 if [ "$stage" = ddp ]; then
   if [ -z "${SKIP_ALONE:-}" ]; then
   # first, on GPU 0: the research run's training outside the flow (bench/train_alone.py)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl && \
     PYTHONPATH=/tmp/site CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_alone.py \
       --params bench/params/research-h200.json --out "$out" 2>&1 | grep -v Warning | tail -8
@@ -92,7 +92,7 @@ if [ "$stage" = ddp ]; then
 fi
 
 if [ "$stage" = gap ]; then  # the research run against the top rung, one machine
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl || exit 1
   export PYTHONPATH=/tmp/site
   params=$(realpath "$params")
@@ -122,7 +122,9 @@ if [ "$stage" = gap ]; then  # the research run against the top rung, one machin
   exit 0
 fi
 if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  # Byte-compiled at install, as any install is: with --no-compile every process there
+  # compiled Prefect's and MLflow's sources again (the image does not keep bytecode).
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl || exit 1
   echo "== wheels installed at $((SECONDS - start)) s"
   params=$(realpath "$params") out=$(realpath "$out")
@@ -155,7 +157,7 @@ if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
   exit 0
 fi
 if [ "$stage" = research ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl || exit 1
   export PYTHONPATH=/tmp/site
   echo "== wheels installed at $((SECONDS - start)) s"
@@ -176,7 +178,7 @@ if [ "$stage" = research ]; then
 fi
 
 if [ -z "${SKIP_INSTALL:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi

@@ -301,11 +301,9 @@ def statistics(merged: dict, config: SimConfig, trials: int, replayed: list) -> 
          "baseline": base_summary["total"]["mean_bps"]},
         {"model": model_summary["total"]["se_bps"], "baseline": base_summary["total"]["se_bps"]},
     )  # fmt: skip
-    import matplotlib.pyplot as plt
-
     png = io.BytesIO()
     figure.savefig(png, format="png")
-    plt.close(figure)
+    plots.close(figure)
     folds = {}
     for fold, _, sim, _ in replayed:
         model = summarize(sim.value["model"], config.fee_bps)["total"]

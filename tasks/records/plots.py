@@ -23,6 +23,11 @@ def _pyplot() -> Any:
     return plt
 
 
+def close(fig: Any) -> None:
+    """Forget a figure drawn here once it is saved (pyplot keeps every figure it made)."""
+    _pyplot().close(fig)
+
+
 def loss_curve(loss: list[float], log_every: int) -> Figure:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
