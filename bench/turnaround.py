@@ -53,7 +53,25 @@ PHASES = (
 )
 
 
+# The peer: the same CLI from a checkout of the code this replaces (`--peer DIR`, e.g. a
+# `git worktree` of e464a67), on this interpreter's packages but without the editable
+# install's finder (-S, then site-packages added by hand), so `quantloop` is the checkout's.
+PEER_BOOT = """import site, sys
+sys.path += site.getsitepackages()
+root = sys.argv.pop(1)
+sys.path.insert(0, root)
+from bench.checkout import use_checkout
+assert use_checkout(__import__("pathlib").Path(root))
+sys.argv[0] = "quantloop"
+from quantloop.cli import app
+app()
+"""
+PEER: Path | None = None
+
+
 def quantloop() -> list[str]:
+    if PEER is not None:
+        return [sys.executable, "-S", "-c", PEER_BOOT, str(PEER)]
     exe = Path(sys.executable).with_name("quantloop")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "quantloop.cli"]
 
@@ -104,8 +122,13 @@ def run_once(home: Path, params: dict, env: dict) -> dict:
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    [profile] = set((home / "logs").glob("*.profile.json")) - before
-    breakdown = json.loads(profile.read_text())
+    profiles = set((home / "logs").glob("*.profile.json")) - before
+    # the peer writes no breakdown: its wall and compute only
+    breakdown = (
+        json.loads(profiles.pop().read_text())
+        if profiles
+        else {"phases": [], "totals": {}, "wall_s": wall}
+    )
     summary = json.loads(summary_path.read_text())
     sites = summary.get("sites") or {}
     compute = sum(
@@ -174,7 +197,14 @@ def stop_api(home: Path, env: dict) -> None:
 
 
 def bench(
-    data: str, repeat: int, extra: dict, work: Path, env: dict, out: dict, done=lambda: None
+    data: str,
+    repeat: int,
+    extra: dict,
+    work: Path,
+    env: dict,
+    out: dict,
+    done=lambda: None,
+    cases: tuple[str, ...] = CASES,
 ) -> dict:
     """The cases on one data set, into `out`; `done()` after each (the results so far are
     written)."""
@@ -197,7 +227,7 @@ def bench(
             print(f"{data} no-op {r}: {noop[-1]['wall_s']:.1f} s", flush=True)
         out["no-op"] = median_of(noop)
         done()
-        for case in ("feature changed", "training changed"):
+        for case in [c for c in ("feature changed", "training changed") if c in cases]:
             runs = []
             for r in range(repeat):
                 runs.append(run_once(home, changed(params, case, r, product), env))
@@ -222,6 +252,12 @@ def markdown(result: dict) -> str:
         f"`{json.dumps(result['extra'])}`.",
         "",
     ]
+    if result.get("peer"):
+        lines += [
+            f"Peer: the same runs of the CLI of the checkout `{result['peer']}` (the code "
+            "this replaces), its temporary Prefect server waited for.",
+            "",
+        ]
     rows = []
     for data, cases in result["data"].items():
         for case, m in cases.items():
@@ -307,12 +343,35 @@ def main() -> None:
     parser.add_argument("--name", default="turnaround", help="bench/results/<name>.json, .md")
     parser.add_argument("--results", type=Path, default=None, help="folder for the results")
     parser.add_argument("--work", type=Path, default=None, help="folder for the runs' homes")
+    parser.add_argument(
+        "--peer",
+        type=Path,
+        default=None,
+        help="a checkout of the code this replaces: the same runs of its CLI",
+    )
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help="cold and no-op always run; add 'feature changed', 'training changed'",
+    )
     args = parser.parse_args()
     extra = json.loads(args.params.read_text()) if args.params else {}
     work = args.work or Path(tempfile.mkdtemp(prefix="turnaround-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    result: dict = {"repeat": args.repeat, "extra": extra, "data": {}}
+    global PEER
+    if args.peer is not None:
+        PEER = args.peer.resolve()
+        # the peer's temporary server per command: waited for (its 20 s default failed
+        # here on a busy machine; a failed run would measure nothing)
+        env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "600"
+        env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    result: dict = {
+        "repeat": args.repeat,
+        "extra": extra,
+        "data": {},
+        "peer": str(args.peer) if args.peer else None,
+    }
     folder = args.results or ROOT / "bench" / "results"
 
     def save() -> tuple[Path, Path]:
@@ -327,7 +386,16 @@ def main() -> None:
                 print(f"skipping lobster: {LOBSTER} not found", flush=True)
                 continue
             result["data"][data] = {}
-            bench(data, args.repeat, extra, work, env, result["data"][data], done=save)
+            bench(
+                data,
+                args.repeat,
+                extra,
+                work,
+                env,
+                result["data"][data],
+                done=save,
+                cases=tuple(args.cases.split(",")),
+            )
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
