@@ -56,8 +56,8 @@ PHASES = (
 # The peer: the same CLI from a checkout of the code this replaces (`--peer DIR`, e.g. a
 # `git worktree` of e464a67), on this interpreter's packages but without the editable
 # install's finder (-S, then site-packages added by hand), so `quantloop` is the checkout's.
-PEER_BOOT = """import site, sys
-sys.path += site.getsitepackages()
+PEER_BOOT = """import sys
+sys.path += sys.argv.pop(1).split(":")  # this environment's site-packages
 root = sys.argv.pop(1)
 sys.path.insert(0, root)
 from bench.checkout import use_checkout
@@ -71,7 +71,10 @@ PEER: Path | None = None
 
 def quantloop() -> list[str]:
     if PEER is not None:
-        return [sys.executable, "-S", "-c", PEER_BOOT, str(PEER)]
+        import site
+
+        packages = ":".join(site.getsitepackages())
+        return [sys.executable, "-S", "-c", PEER_BOOT, packages, str(PEER)]
     exe = Path(sys.executable).with_name("quantloop")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "quantloop.cli"]
 
