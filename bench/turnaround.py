@@ -53,15 +53,14 @@ PHASES = (
 )
 
 
-# The peer: the same CLI from a checkout of the code this replaces (`--peer DIR`, e.g. a
+# The peer: the same CLI from the code this replaces (`--peer DIR`: a folder laid out as an
+# install would be, DIR/quantloop/{cli.py, flows, tasks, ...}, e.g. links into a
 # `git worktree` of e464a67), on this interpreter's packages but without the editable
-# install's finder (-S, then site-packages added by hand), so `quantloop` is the checkout's.
+# install's finder (-S, then site-packages added by hand), so `quantloop` is the peer's;
+# Dask's spawned workers inherit that path.
 PEER_BOOT = """import sys
 sys.path += sys.argv.pop(1).split(":")  # this environment's site-packages
-root = sys.argv.pop(1)
-sys.path.insert(0, root)
-from bench.checkout import use_checkout
-assert use_checkout(__import__("pathlib").Path(root))
+sys.path.insert(0, sys.argv.pop(1))
 sys.argv[0] = "quantloop"
 from quantloop.cli import app
 app()
