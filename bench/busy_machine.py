@@ -96,6 +96,8 @@ def main() -> None:
                     "load_mean": sum(loads) / len(loads) if loads else float("nan"),
                     "api": api[0].strip() if api else "",
                     "error": proc.stderr[-2000:] if proc.returncode else "",
+                    # the table the run printed: the same as README's on the same commit
+                    "output": proc.stderr[-4000:] if not proc.returncode else "",
                 }
             )
             print(runs[-1], flush=True)
