@@ -460,8 +460,14 @@ class RunLog:
                 repo.log_artifact(path, artifact_path)
 
     def artifact(self, path: str, artifact_path: str | None = None) -> None:
-        """Log a local file (or folder); it must stay in place until the run's flush."""
-        self._send(lambda: self._upload(path, artifact_path))
+        """Log a local file (or folder): copied now, sent behind, so the caller may remove
+        it at once (the ladder's files lived in a temporary folder that was gone before
+        the sender reached them)."""
+        name = os.path.basename(os.path.normpath(path))
+        if os.path.isdir(path):
+            self._write_and_send(lambda dest: shutil.copytree(path, dest), name, artifact_path)
+        else:
+            self._write_and_send(lambda dest: shutil.copyfile(path, dest), name, artifact_path)
 
     def table(self, table: pa.Table, name: str, artifact_path: str | None = None) -> None:
         """Log an Arrow table as a Parquet artifact."""
