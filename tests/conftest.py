@@ -12,14 +12,23 @@ from tests import servers
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 LOBSTER_DIR = SHARED_DATA / "lobster"
 
+# Anything that falls back to a temporary Prefect server (a flow called with no API set,
+# in this process or in a subprocess given this environment) waits for its start as long
+# as the session's own servers do, not Prefect's default 20 s: under a loaded 2-core CI
+# machine a start took 30-74 s, and two tests of a fresh-clone suite failed on the 20 s.
+SERVER_START_S = 300
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(SERVER_START_S))
+
 
 @pytest.fixture(scope="session")
-def prefect_api():
-    """One temporary Prefect server for the session (its start costs 15-25 s)."""
+def prefect_api() -> str:
+    """One temporary Prefect server for the session (its start costs 15-25 s); its API
+    URL, for the subprocesses (`quantloop run`) that should record to it too."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    with prefect_test_harness(server_startup_timeout=SERVER_START_S):
+        yield PREFECT_API_URL.value()
 
 
 # The session's MLflow server is locked (basic auth), as infra/ and `quantloop serve`
@@ -27,22 +36,37 @@ def prefect_api():
 MLFLOW_USER, MLFLOW_PASSWORD = "quantloop-test", "test-password-" + os.urandom(6).hex()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _mlflow_started(request, tmp_path_factory) -> servers.MlflowServer | None:
+    """The session's MLflow server, started with the session when any selected test
+    needs it, and waited for only by the first that does: its start (~10 s of CPU)
+    overlaps the tests before, and the Prefect server's start."""
+    if not any("mlflow_uri" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        yield None
+        return
+    server = servers.MlflowServer(tmp_path_factory.mktemp("mlflow"),
+                                  credentials=(MLFLOW_USER, MLFLOW_PASSWORD))  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
-def mlflow_uri(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("mlflow")
-    with servers.mlflow_server(folder, credentials=(MLFLOW_USER, MLFLOW_PASSWORD)) as uri:
-        saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_USERNAME",
-                                                "MLFLOW_TRACKING_PASSWORD")}  # fmt: skip
-        os.environ.update(MLFLOW_TRACKING_USERNAME=MLFLOW_USER,
-                          MLFLOW_TRACKING_PASSWORD=MLFLOW_PASSWORD)  # fmt: skip
-        try:
-            yield uri
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+def mlflow_uri(_mlflow_started) -> str:
+    uri = _mlflow_started.ready(timeout=SERVER_START_S)
+    keys = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(MLFLOW_TRACKING_USERNAME=MLFLOW_USER,
+                      MLFLOW_TRACKING_PASSWORD=MLFLOW_PASSWORD)  # fmt: skip
+    try:
+        yield uri
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

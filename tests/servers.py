@@ -37,6 +37,62 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
+class MlflowServer:
+    """`mlflow server` on a free loopback port with a SQLite store, started and not yet
+    waited for: `ready()` waits until it answers and gives its URI, `stop()` ends it.
+    (mlflow_server() below does both around a block; the session's server starts here
+    early, so that its ~10 s start overlaps the tests before the first that needs it.)
+
+    With credentials (user, password: 12 characters or more), MLflow's basic-auth app
+    runs in front of it: every request needs them, that user is its admin; its settings
+    are `quantloop serve`'s (quantloop.serve.MLFLOW_AUTH_INI) unless auth_ini gives
+    others. A given port (and folder) restarts a stopped server on its store.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        credentials: tuple[str, str] | None = None,
+        port: int | None = None,
+        auth_ini: str | None = None,
+    ):
+        port = port or free_port()
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        auth = []
+        if credentials is not None:
+            user, password = credentials
+            ini = folder / "auth.ini"
+            from quantloop.serve import MLFLOW_AUTH_INI  # the one `quantloop serve` writes
+
+            ini.write_text((auth_ini or MLFLOW_AUTH_INI).format(db=folder / "auth.db", user=user))
+            env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_PASSWORD=password,
+                       MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex())  # fmt: skip
+            auth = ["--app-name", "basic-auth"]
+        self.uri = f"http://127.0.0.1:{port}"
+        self._log = open(folder / "mlflow-server.log", "ab")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "mlflow", "server", *auth,
+                "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+                "--artifacts-destination", str(folder / "artifacts"),
+            ],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+
+    def ready(self, timeout: float = 300) -> str:
+        wait_http(f"{self.uri}/health", timeout=timeout, proc=self.proc)
+        return self.uri
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
 @contextlib.contextmanager
 def mlflow_server(
     folder: Path,
@@ -44,46 +100,12 @@ def mlflow_server(
     port: int | None = None,
     auth_ini: str | None = None,
 ) -> Iterator[str]:
-    """`mlflow server` on a free loopback port with a SQLite store; yields its URI.
-
-    With credentials (user, password: 12 characters or more), MLflow's basic-auth app
-    runs in front of it: every request needs them, that user is its admin; its settings
-    are `quantloop serve`'s (quantloop.serve.MLFLOW_AUTH_INI) unless auth_ini gives
-    others. A given port (and folder) restarts a stopped server on its store.
-    """
-    port = port or free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    auth = []
-    if credentials is not None:
-        user, password = credentials
-        ini = folder / "auth.ini"
-        from quantloop.serve import MLFLOW_AUTH_INI  # the one `quantloop serve` writes
-
-        ini.write_text((auth_ini or MLFLOW_AUTH_INI).format(db=folder / "auth.db", user=user))
-        env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_PASSWORD=password,
-                   MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex())  # fmt: skip
-        auth = ["--app-name", "basic-auth"]
-    log = open(folder / "mlflow-server.log", "ab")
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "mlflow", "server", *auth,
-            "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
-            "--artifacts-destination", str(folder / "artifacts"),
-        ],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    uri = f"http://127.0.0.1:{port}"
+    """`mlflow server` (MlflowServer's) around a block, once it answers; yields its URI."""
+    server = MlflowServer(folder, credentials, port, auth_ini)
     try:
-        wait_http(f"{uri}/health", timeout=120, proc=proc)
-        yield uri
+        yield server.ready()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.stop()
 
 
 @contextlib.contextmanager
@@ -121,6 +143,9 @@ def prefect_env(home: Path, **settings: str) -> dict[str, str]:
         PREFECT_HOME=str(home),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_SERVER_UI_ENABLED="false",
+        # a temporary server, should one start, is waited for as the tests' own servers
+        # are (Prefect's default gives up after 20 s, short of a start on a busy machine)
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
         **settings,
     )
     return env
