@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from typer.testing import CliRunner
 
 from quantloop.cli import app, rich_table
 from quantloop.tasks.records.summary import ResearchSummary, markout_table
+from tests import servers
 
 HORIZONS = ["1s", "5s", "30s", "60s", "300s", "10ev", "100ev"]
 
@@ -51,9 +51,11 @@ def test_markout_table_as_markdown_is_the_same_table():
 
 
 @pytest.mark.slow
-def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(tmp_path):
+def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(prefect_api, tmp_path):
     """`quantloop run` on a tiny synthetic set: the console has the stage lines and the
-    table, not Dask's INFO lines; the log file has those."""
+    table, not Dask's INFO lines; the log file has those. It records to the session's
+    Prefect API (a configured API, as PREFECT_API_URL gives it), not a server of its own:
+    tests/test_local_api.py starts those."""
     params = tmp_path / "params.json"
     params.write_text(json.dumps({
         "data": {"products": ["SYNA"], "n_dates": 2,
@@ -61,8 +63,7 @@ def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(tmp_path):
         "train": {"steps": 10, "batch_size": 32},
         "validation": {"folds": 1},  # two dates fit one walk-forward fold
     }))  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), COLUMNS="80")
+    env = servers.prefect_env(tmp_path / "prefect", PREFECT_API_URL=prefect_api, COLUMNS="80")
     exe = Path(sys.executable).with_name("quantloop")
     home = tmp_path / "home"
     proc = subprocess.run(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import multiprocessing
-import os
 import sqlite3
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from quantloop.flows.research import ResearchParams, research
+from tests import servers
 
 TINY = {
     "data": {"products": ["SYNA"], "n_dates": 2,
@@ -33,15 +33,15 @@ def params_with_seed(seed: int) -> dict:
 @pytest.mark.slow
 def test_two_runs_at_once_on_one_workspace_each_get_their_own_datas_results(prefect_api, tmp_path):
     """Two `quantloop run`s start together on one workspace with different data for the
-    same partitions (two generator seeds); each result equals that data's run alone."""
+    same partitions (two generator seeds); each result equals that data's run alone.
+    (Both record to the session's Prefect API: what they share here is the workspace.)"""
     home = tmp_path / "shared"
     exe = Path(sys.executable).with_name("quantloop")
     procs = {}
     for seed in (1, 2):
         params = tmp_path / f"p{seed}.json"
         params.write_text(json.dumps(params_with_seed(seed)))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        env["PREFECT_HOME"] = str(tmp_path / f"prefect-{seed}")
+        env = servers.prefect_env(tmp_path / f"prefect-{seed}", PREFECT_API_URL=prefect_api)
         procs[seed] = subprocess.Popen(
             [str(exe), "run", "--params", str(params), "--home", str(home), "--workers", "1",
              "--summary-json", str(tmp_path / f"together-{seed}.json")],
