@@ -95,7 +95,14 @@ def _one_of_many(home: str, i: int) -> dict:
 @pytest.mark.slow
 def test_eight_processes_at_once_keep_the_shared_stores_whole(tmp_path):
     home = str(tmp_path / "shared")
-    with multiprocessing.get_context("spawn").Pool(8) as pool:
+    # Eight processes of their own, forked from a fresh server process that imported this
+    # module (and with it Prefect, MLflow, torch) once. Spawned, each paid those imports
+    # before its first write: the test took 58 s, forked 32 s (the same loaded 2-core
+    # VM, one after the other); and forked, they start writing together, the contention
+    # the test is for.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with context.Pool(8) as pool:
         results = pool.starmap(_one_of_many, [(home, i) for i in range(8)])
     assert all(r["failed"] == 0 for r in results)
     from quantloop.tasks.engine import NodeStore
