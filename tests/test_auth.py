@@ -35,12 +35,16 @@ def no_credential_env(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_mlflow_refuses_a_request_without_credentials(mlflow_uri):
     assert status(f"{mlflow_uri}/api/2.0/mlflow/experiments/search?max_results=1") == 401
     assert status(f"{mlflow_uri}/") == 401  # the UI too
     assert status(f"{mlflow_uri}/health") == 200  # what a load balancer probes
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_a_wrong_password_is_refused_after_the_right_one_was_accepted(mlflow_uri):
     # the server caches good credential checks (auth_cache_ttl_seconds): the cache is keyed
     # by the password too, so a wrong one still gets 401 right after the right one
@@ -78,6 +82,8 @@ def test_mlflow_reads_the_credential_cache_we_configure(tmp_path, monkeypatch):
     assert not config.grant_default_workspace_access
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_a_tracking_block_carries_its_own_credentials(mlflow_uri, no_credential_env):
     locked = MlflowTracking(tracking_uri=mlflow_uri, experiment="auth-test")
     with pytest.raises(Exception, match="401|Unauthorized|credentials"):

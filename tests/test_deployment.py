@@ -116,6 +116,8 @@ def prefect_server(tmp_path_factory) -> tuple[str, Path]:
         yield api, folder
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_the_locked_server_refuses_a_client_without_the_auth_string(prefect_server):
     api, _ = prefect_server
     request = urllib.request.Request(f"{api}/flows/filter", data=b"{}", method="POST",

@@ -142,6 +142,7 @@ def through(monkeypatch, proxy: FlakyProxy, **env: str) -> None:
         monkeypatch.setenv(k, v)
 
 
+@pytest.mark.slow
 @pytest.mark.server
 def test_throttled_and_dropped_s3_calls_are_retried_and_the_nodes_complete(
     s3_endpoint, s3_bucket, tmp_path, monkeypatch
@@ -176,6 +177,7 @@ def test_throttled_and_dropped_s3_calls_are_retried_and_the_nodes_complete(
     assert fs.call_s3("list_multipart_uploads", Bucket=s3_bucket).get("Uploads", []) == []
 
 
+@pytest.mark.slow
 @pytest.mark.server
 @pytest.mark.parametrize("fault", ["slow_down_every", "drop_every"])
 def test_s3_that_stays_down_fails_naming_the_object_and_leaves_nothing(

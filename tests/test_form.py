@@ -200,6 +200,7 @@ def test_an_old_top_level_holdout_fraction_is_the_single_split_it_made(model):
         model.model_validate({"holdout_fraction": 1.5})
 
 
+@pytest.mark.slow
 @pytest.mark.server
 def test_a_picked_block_reaches_the_flow_as_that_block(prefect_api, tmp_path):
     """What the UI sends for a picked block, {"$ref": {"block_document_id": ...}}, is

@@ -256,6 +256,7 @@ def test_the_promote_form_states_units_and_bounds():
             promote.validate_parameters({"run": "0" * 32, **bad})
 
 
+@pytest.mark.slow
 @pytest.mark.server
 def test_research_trials_count_other_configurations_on_the_same_held_out_data(mlflow_uri):
     """A re-run (same params_hash) is not another trial; other data or other test windows

@@ -66,6 +66,7 @@ def test_damaged_outputs_are_dropped_and_recomputed_never_used(prefect_api, tmp_
     assert not again.model_cached and again.model_digest == verified.model_digest
 
 
+@pytest.mark.slow
 def test_verify_finds_and_drops_damaged_outputs(prefect_api, tmp_path):
     from quantloop.tasks.data.catalog import Catalog
     from quantloop.tasks.data.landing import business_days, land_synthetic

@@ -141,6 +141,7 @@ def test_backtest_nodes_are_cached_by_the_models_weights(champion, mlflow_uri):
     assert summary["version"] == other.new_version
 
 
+@pytest.mark.slow
 @pytest.mark.server
 def test_a_bad_model_or_version_is_named(prefect_api, mlflow_uri, tmp_path):
     client = MlflowClient(mlflow_uri)

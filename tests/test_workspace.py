@@ -21,6 +21,7 @@ def test_embedded_defaults_live_under_home(tmp_path):
     assert ws.catalog().path == tmp_path / "h" / "catalog.sqlite"
 
 
+@pytest.mark.slow
 def test_saved_blocks_are_used_by_name(prefect_api, tmp_path):
     DataCatalog(path=str(tmp_path / "shared" / "cat.sqlite")).save("ws-cat", overwrite=True)
     Site(name="onprem", storage_root=str(tmp_path / "onprem")).save("ws-site", overwrite=True)
