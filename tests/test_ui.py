@@ -222,6 +222,13 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypat
             )
             page = context.new_page()
             page.set_default_timeout(60_000)
+            # What the page asked the API and what it logged, for the error should Submit
+            # create no run (once in three suites on a loaded 2-core VM: see below).
+            seen: list[str] = []
+            page.on("console", lambda m: seen.append(f"console {m.type}: {m.text[:300]}"))
+            page.on("requestfailed", lambda r: seen.append(f"failed {r.method} {r.url}"))
+            page.on("response", lambda r: seen.append(f"{r.status} {r.request.method} {r.url}")
+                    if "/api/" in r.url and r.request.method != "GET" else None)  # fmt: skip
 
             # The run form, reached as a researcher reaches it.
             page.goto(served.prefect + "/")
@@ -258,19 +265,23 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypat
             steps.fill("10")
             steps.press("Tab")  # the form takes the value when the field is left
             expect(steps).to_have_value("10")
+            submitted = len(seen)
             page.get_by_role("button", name="Submit").click()
             # Prefect goes back to the deployment's runs and says "<run> scheduled to start
             # now" once it has created the run. A fresh-clone suite once found no run 60 s
-            # after Submit (and passed again at once): if it happens again, the error says
-            # what the page showed instead.
+            # after Submit (and passed again at once), and a suite here once more: the
+            # error says what the page showed, asked and logged instead.
             try:
                 page.get_by_text(re.compile("scheduled to start now")).wait_for(timeout=60_000)
             except PlaywrightTimeout:
-                page.screenshot(path=str(tmp_path / "after-submit.png"))
+                page.screenshot(path=str(tmp_path / "after-submit.png"), full_page=True)
                 shown = page.get_by_role("alert").all_inner_texts()
                 raise AssertionError(
                     f"Submit created no flow run: the page stayed at {page.url}, alerts "
-                    f"{shown}, screenshot {tmp_path / 'after-submit.png'}"
+                    f"{shown}, screenshot {tmp_path / 'after-submit.png'}; before Submit:\n"
+                    + "\n".join(seen[:submitted][-15:])
+                    + "\nafter:\n"
+                    + "\n".join(seen[submitted:])
                 ) from None
 
             deadline = time.monotonic() + 60
