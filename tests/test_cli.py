@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +229,28 @@ def test_a_summary_reads_back_from_its_json_with_untested_horizons():
     assert math.isnan(back.markout_se_bps["1s"]) and math.isnan(back.baseline_markout_bps["300s"])
     assert "n/a" in markout_table(back).markdown()
     assert any("(n/a) bps over 1 day(s)" in n for n in validity_notes(back))
+
+
+@pytest.mark.parametrize("command", ["run", "nodes", "backtest", "retrain", "serve"])
+def test_help_shows_the_defaults_and_flags_as_flags(command):
+    """`quantloop <command> --help` as a user's terminal shows it: every `[default: ...]`
+    (given by the option or written in its help) and boolean flags as `--flag` or
+    `--flag/--no-flag`, never with a `<bool>` value. (Rich markup ate the written
+    defaults as unknown style tags, and its panels gave every flag a `<bool>` type.)"""
+    exe = Path(sys.executable).with_name("quantloop")
+    proc = subprocess.run([str(exe), command, "--help"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # one line: a wrapped help text still matches
+    assert "<bool>" not in text
+    expected = {
+        "run": ["[default: .quantloop]", "[default: SQLite in home]", "[default: 2]",
+                "--profile ", "-v, --verbose "],
+        "nodes": ["[default: 20]", "[default: features]", "--cache-hit / --computed",
+                  "--all-runs ", "--json "],
+        "backtest": ["[default: all]", "[default: the model's]"],
+        "retrain": ["[default: as many as the version's]"],
+        "serve": ["[default: infra/prefect.yaml]"],
+    }[command]  # fmt: skip
+    for part in expected:
+        assert part in text, part

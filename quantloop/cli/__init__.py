@@ -27,7 +27,15 @@ from quantloop.cli import (
 )
 from quantloop.cli.common import rich_table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
+# Plain help, not Rich's panels: Rich markup ate every `[default: ...]` written in a help
+# text (an unknown style tag to it) and its panels gave each boolean flag a `<bool>` value;
+# the plain formatter shows both as written, and a flag as `--flag` or `--flag / --no-flag`.
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help=__doc__.split("\n\n")[0],
+)
 
 
 @app.callback()

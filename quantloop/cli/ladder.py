@@ -22,7 +22,7 @@ def ladder(
         str, typer.Option(help="auto (h200 with CUDA, else cpu_tiny), h200 or cpu_tiny")
     ] = "auto",
     rungs: Annotated[
-        str, typer.Option(help="Comma-separated rung numbers (1 always runs); default: all")
+        str, typer.Option(help="Comma-separated rung numbers (1 always runs) [default: all]")
     ] = "",
     out: Annotated[Path | None, typer.Option(help="Folder for traces and the report")] = None,
     home: HomeOption = None,

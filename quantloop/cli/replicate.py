@@ -25,7 +25,7 @@ def replicate(
     ],
     dataset: Annotated[str, typer.Option(help="Catalog dataset.")] = "synthetic",
     products: Annotated[
-        str | None, typer.Option(help="Comma-separated products; default: all.")
+        str | None, typer.Option(help="Comma-separated products [default: all]")
     ] = None,
     home: HomeOption = None,
     verbose: VerboseOption = False,

@@ -35,7 +35,7 @@ from quantloop.tasks.runtime import timeline
 
 def run(
     lobster: Annotated[
-        Path | None, typer.Option(help="Folder or file of LOBSTER data; default: synthetic.")
+        Path | None, typer.Option(help="Folder or file of LOBSTER data [default: synthetic]")
     ] = None,
     summary_json: SummaryJsonOption = None,
     params: Annotated[
