@@ -1,0 +1,76 @@
+"""K order-book models of one shape as one: models/orderbook.py's forward, written over
+parameters stacked along a leading model dimension.
+
+Every weight is [K, ...] (torch.func.stack_module_state of K OrderBookNets, same names),
+the batch is [K, B, T, F] (each model its own windows), and each op is the batched form
+of the one OrderBookNet runs: a Linear is one `baddbmm` over the K models, a LayerNorm
+normalizes without its affine part and then scales by each model's own weight, and the
+attention, which has no weights, runs once over K * B windows. Why not `torch.func.vmap`
+over OrderBookNet itself: it gives the same numbers, but PyTorch has no batching rule for
+the fused attention kernels (`_scaled_dot_product_flash_attention_for_cpu` fell back to a
+Python loop over the K models here, with a warning), which is the launch-bound stream a
+stack exists to remove.
+
+Same masking rules as OrderBookNet (padded inputs zeroed, padded keys never attended to,
+the diagonal always allowed), so each model's output equals its OrderBookNet's up to the
+order of float sums (tests/test_stacked.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quantloop.models.orderbook import ModelConfig
+
+Params = dict[str, torch.Tensor]  # OrderBookNet's parameter names -> [K, ...]
+LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, as OrderBookNet uses it
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """K Linears at once. x: [K, ..., in]; weight: [K, out, in]; bias: [K, out]."""
+    k, n_in = x.shape[0], x.shape[-1]
+    y = torch.baddbmm(bias.unsqueeze(1), x.reshape(k, -1, n_in), weight.transpose(1, 2))
+    return y.view(*x.shape[:-1], weight.shape[1])
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """K LayerNorms at once. x: [K, ..., D]; weight, bias: [K, D]."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+    y = F.layer_norm(x, x.shape[-1:], eps=LAYER_NORM_EPS)
+    return torch.addcmul(bias.view(shape), y, weight.view(shape))
+
+
+def forward(p: Params, cfg: ModelConfig, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Outputs of K models: [K, B, n_outputs].
+
+    x: [K, B, T, F] float; mask: [K, B, T] bool, True = real event, last position real.
+    """
+    K, B, T, _ = x.shape
+    if T > cfg.max_len:
+        raise ValueError(f"window length {T} exceeds max_len {cfg.max_len}")
+    H, D = cfg.n_heads, cfg.d_model
+    m = mask.unsqueeze(-1)  # [K, B, T, 1]
+    x = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    distance = torch.arange(T - 1, -1, -1, device=x.device)  # [T]
+    h = linear(x, p["embed.weight"], p["embed.bias"]) + p["pos.weight"][:, distance].unsqueeze(1)
+    eye = torch.eye(T, dtype=torch.bool, device=x.device)
+    allowed = (mask.view(K * B, 1, 1, T) | eye).expand(K * B, 1, T, T)  # [K*B, 1, T, T]
+    for i in range(cfg.n_layers):
+        b = f"blocks.{i}."
+        a = layer_norm(h, p[b + "norm1.weight"], p[b + "norm1.bias"])
+        qkv = linear(a, p[b + "attn.qkv.weight"], p[b + "attn.qkv.bias"])  # [K, B, T, 3D]
+        q, k, v = qkv.view(K * B, T, 3, H, D // H).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [K*B, H, T, Dh]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        y = y.transpose(1, 2).reshape(K, B, T, D)
+        h = h + linear(y, p[b + "attn.proj.weight"], p[b + "attn.proj.bias"])
+        a = layer_norm(h, p[b + "norm2.weight"], p[b + "norm2.bias"])
+        a = F.gelu(linear(a, p[b + "mlp.0.weight"], p[b + "mlp.0.bias"]))
+        h = h + linear(a, p[b + "mlp.2.weight"], p[b + "mlp.2.bias"])
+    h = layer_norm(h, p["norm.weight"], p["norm.bias"])
+    last = h[:, :, -1]  # [K, B, D]
+    zero = torch.zeros((), dtype=h.dtype, device=h.device)
+    count = m.sum(2).clamp(min=1).to(h.dtype)  # [K, B, 1]
+    mean = torch.where(m, h, zero).sum(2) / count  # [K, B, D]
+    return linear(torch.cat([last, mean], dim=-1), p["head.weight"], p["head.bias"])
