@@ -254,3 +254,88 @@ def test_help_shows_the_defaults_and_flags_as_flags(command):
     }[command]  # fmt: skip
     for part in expected:
         assert part in text, part
+
+
+def recorded_workspace(home: Path) -> tuple[list[str], str, str]:
+    """A home whose store holds one recorded features run of 4 nodes, one of them failed
+    with a long error: the keys, the run's name and the error."""
+    import datetime as dt
+
+    import pyarrow as pa
+
+    from quantloop.tasks.data.catalog import Catalog
+    from quantloop.tasks.data.schema import Partition
+    from quantloop.tasks.engine import storage
+    from quantloop.tasks.research.features import FeatureParams
+    from quantloop.tasks.research.planning import feature_kind, plan_feature_table, product_params
+    from tests.books import random_book
+    from tests.test_manifest import record_run
+
+    root = str(home / "store")
+    catalog = Catalog(home / "catalog.sqlite")
+    parts = [(Partition(p, d), random_book(100, seed=i)) for i, (p, d) in enumerate(
+        (p, d) for p in ("AAA", "BBB") for d in (dt.date(2026, 1, 5), dt.date(2026, 1, 6)))]
+    catalog.land_packed("d", parts, root=root)
+    kind = feature_kind()
+    nodes, by_digest = plan_feature_table(catalog.table("d"), product_params(
+        FeatureParams(), {}, ["AAA", "BBB"]), kind)  # fmt: skip
+    name = "20260105T000000-a-run-whose-name-is-longer-than-fifteen"
+    records = record_run(root, name, kind, by_digest, nodes)
+    error = "ValueError: " + "the book of this partition is crossed at row 1234; " * 4
+    first = records.parts()[0]
+    table = storage.read_parquet(first)
+    n = table.num_rows
+    table = table.set_column(table.schema.get_field_index("status"), "status",
+                             pa.array(["failed"] + ["ok"] * (n - 1)))
+    table = table.set_column(table.schema.get_field_index("error"), "error",
+                             pa.array([error] + [""] * (n - 1)))  # fmt: skip
+    storage.write_parquet_atomic(first, table)
+    return nodes["key"].to_pylist(), name, error
+
+
+def test_nodes_piped_prints_every_value_whole(tmp_path):
+    """`quantloop nodes > file` (stdout not a terminal) writes tab-separated rows with
+    every value whole, on stdout; it cut every column to fit 80 characters (16 of a
+    64-character key, 15 of a run's name, 40 of an error) and printed to stderr."""
+    home = tmp_path / "home"
+    keys, name, error = recorded_workspace(home)
+    exe = Path(sys.executable).with_name("quantloop")
+    proc = subprocess.run([str(exe), "nodes", "--home", str(home)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = lines[0].split("\t")
+    assert header[:4] == ["key", "product", "date", "status"], lines[0]
+    rows = [dict(zip(header, line.split("\t"), strict=True)) for line in lines[1:]]
+    assert sorted(r["key"] for r in rows) == sorted(keys) and len(keys[0]) == 64
+    assert {r["run"] for r in rows} == {name}
+    assert [r["error"] for r in rows if r["status"] == "failed"] == [error]
+    assert "…" not in proc.stdout
+    assert "4 of 4 nodes match" in proc.stderr  # the count is for the reader, not the file
+
+    # --format json and the older --json give the same rows, whole
+    for args in (["--format", "json"], ["--json"]):
+        proc = subprocess.run([str(exe), "nodes", "--home", str(home), *args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        found = json.loads(proc.stdout)
+        assert sorted(r["key"] for r in found) == sorted(keys), args
+        assert [r["error"] for r in found if r["status"] == "failed"] == [error]
+
+
+def test_nodes_table_on_a_terminal_fits_its_width_keeping_the_short_columns():
+    """On a terminal the table is cut to its width: the key, the error and the run's name
+    give up what is lacking; the product, date, status and timings stay whole."""
+    from quantloop.cli.nodes import fitted_table
+
+    row = ("dd571d20a821b80d", "AAA", "2026-01-05", "failed", "", "new",
+           "ValueError: the book is crossed at row 1234; " * 3, "100", "27.40", "local",
+           "20260105T000000-a-run-whose-name-is-long")  # fmt: skip
+    for width in (80, 120):
+        console = Console(width=width, record=True, force_terminal=False)
+        console.print(fitted_table([row], width))
+        lines = console.export_text().splitlines()
+        assert max(len(line) for line in lines) <= width, width
+        for whole in ("AAA", "2026-01-05", "failed", "new", "27.40", "local"):
+            assert whole in lines[-1], (width, whole)
+    assert "dd571d20a821b80d" in lines[-1] and "…" in lines[-1]  # 120: the key fits, not all

@@ -3,17 +3,36 @@
 from __future__ import annotations
 
 import json
+import sys
+from enum import Enum
 from typing import Annotated
 
 import typer
+from rich import box
+from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from quantloop.cli.common import (
     TrackingUriOption,
     console,
     fail,
-    workspace_of,
+    records_workspace,
+    refusal_line,
+    refused,
 )
+
+
+class Format(str, Enum):
+    auto = "auto"
+    table = "table"
+    tsv = "tsv"
+    json = "json"
+
+
+# The rows' columns, in the order a table and TSV show them.
+COLUMNS = ("key", "product", "date", "status", "cache_hit", "reason", "error", "rows",
+           "duration_ms", "site", "run")  # fmt: skip
 
 
 def nodes(
@@ -31,7 +50,15 @@ def nodes(
         str | None, typer.Option(help="Show the lineage of the node with this key (or prefix)")
     ] = None,
     limit: Annotated[int, typer.Option(help="Rows to show")] = 20,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+    fmt: Annotated[
+        Format,
+        typer.Option(
+            "--format",
+            help="table (cut to the terminal's width), tsv or json (every value whole); "
+            "auto: a table on a terminal, else tsv",
+        ),
+    ] = Format.auto,
+    as_json: Annotated[bool, typer.Option("--json", help="The same as --format json")] = False,
     run: Annotated[
         str | None,
         typer.Option(
@@ -51,15 +78,26 @@ def nodes(
     ws = Workspace(home=home, site=site)
     run_url = None
     if run is not None:
+        records = records_workspace(home, tracking_uri)  # a missing store, a refusal: one line
         try:
-            client, _ = tracking.client_for(workspace_of(home, tracking_uri).resolve_tracking())
+            client, _ = tracking.client_for(records.resolve_tracking())
             research = runs.find_research_run(client, run)
             features_run = runs.stage_runs(client, research)["features"]
             root = research.data.tags[tracking.STORE_TAG]
             catalog = Catalog(research.data.tags[tracking.CATALOG_TAG])
             run_url = features_run.data.tags[tracking.MANIFEST_TAG]
         except (LookupError, KeyError) as exc:
+            if code := refused(exc):
+                fail(
+                    refusal_line(
+                        code, records.resolve_tracking().resolved_uri(), home, "researcher"
+                    )
+                )
             fail(f"--run {run}: {exc}")
+        except Exception as exc:
+            if (code := refused(exc)) is None:
+                raise
+            fail(refusal_line(code, records.resolve_tracking().resolved_uri(), home, "researcher"))
     else:
         root, catalog = ws.resolve_site().root, ws.catalog()
     if lineage is not None:
@@ -85,6 +123,8 @@ def nodes(
                                        cache_hit=cache_hit).items() if v is not None}  # fmt: skip
         fail(f"none of the {found.total:,} recorded nodes matches {given}", code=1)
     if as_json:
+        fmt = Format.json
+    if fmt is Format.json:
         typer.echo(json.dumps(found.rows.to_pylist(), indent=1, default=str))
         return
     computed = found.matched - found.cache_hits - found.failed
@@ -92,13 +132,60 @@ def nodes(
         f"{found.matched} of {found.total} nodes match ({found.cache_hits} cache hits, "
         f"{computed} computed, {found.failed} failed)"
     )
-    table = Table()
-    for col in ("key", "product", "date", "status", "hit", "reason", "rows", "ms", "site", "run"):
-        table.add_column(col, justify="right" if col in ("rows", "ms") else "left")
-    for r in found.rows.to_pylist():
-        table.add_row(
-            r["key"][:16], r["product"], r["date"], r["status"], "yes" if r["cache_hit"] else "",
-            r["reason"] or r["error"][:40], str(r["rows"]), f"{r['duration_s'] * 1e3:.2f}",
-            r["site"], r["run"][:15],
-        )  # fmt: skip
-    console.print(table)
+    # The rows are the command's output: stdout, so `> file` and `| cut` get them whole.
+    # Only a terminal gets a table, fitted (cut) to its width; elsewhere there is no width.
+    rows = [row_values(r) for r in found.rows.to_pylist()]
+    terminal = sys.stdout.isatty()
+    if fmt is Format.tsv or (fmt is Format.auto and not terminal):
+        for values in (COLUMNS, *rows):
+            typer.echo("\t".join(tsv_field(v) for v in values))
+        return
+    if terminal:  # a key's first 16 digits name it to --lineage, which takes a prefix
+        rows = [(values[0][:16], *values[1:]) for values in rows]
+    console_out = Console(width=None if terminal else 1_000_000)
+    console_out.print(fitted_table(rows, console_out.width))
+
+
+def fitted_table(rows: list[tuple[str, ...]], width: int) -> Table:
+    """The rows as a table `width` characters wide at most: the short columns keep
+    their width; the key, the error and the run's name share what is left, each cut
+    with an ellipsis only if it needs more than its share. (Left to Rich, a narrow
+    terminal squeezed the short columns to nothing first.)"""
+    heads = [{"cache_hit": "hit", "duration_ms": "ms"}.get(c, c) for c in COLUMNS]
+    natural = [max([len(h), *(len(values[i]) for values in rows)]) for i, h in enumerate(heads)]
+    flexible = [i for i, c in enumerate(COLUMNS) if c in ("key", "error", "run")]
+
+    def table(widths: list[int]) -> Table:
+        out = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+        for col, head, w in zip(COLUMNS, heads, widths, strict=True):
+            out.add_column(head, justify="right" if col in ("rows", "duration_ms") else "left",
+                           no_wrap=True, overflow="ellipsis", width=w)  # fmt: skip
+        for values in rows:
+            out.add_row(*values)
+        return out
+
+    # What the table adds to its columns' widths (padding, rules), measured by Rich.
+    probe = Console(width=1_000_000)
+    extra = Measurement.get(probe, probe.options, table(natural)).maximum - sum(natural)
+    left = width - extra - sum(w for i, w in enumerate(natural) if i not in flexible)
+    widths = list(natural)
+    for n, i in enumerate(sorted(flexible, key=lambda i: natural[i])):  # narrowest first
+        widths[i] = max(4, min(natural[i], left // (len(flexible) - n)))
+        left -= widths[i]
+    return table(widths)
+
+
+def row_values(r: dict) -> tuple[str, ...]:
+    """One record's values as text, in COLUMNS' order; a column a manifest predates
+    (null) is empty."""
+    ms = r["duration_s"]
+    values = dict(r, cache_hit="yes" if r["cache_hit"] else "",
+                  duration_ms="" if ms is None else f"{ms * 1e3:.2f}")  # fmt: skip
+    return tuple("" if values[c] is None else str(values[c]) for c in COLUMNS)
+
+
+def tsv_field(value: str) -> str:
+    """A value on one line of one column: tabs and line breaks written as \\t, \\n."""
+    return (
+        value.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+    )
