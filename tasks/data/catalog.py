@@ -361,6 +361,30 @@ class Catalog:
         return [Entry(r[0], Partition.trusted(r[1], dt.date.fromisoformat(r[2])), *r[3:])
                 for r in found]  # fmt: skip
 
+    def blobs(self, digests: Iterable[str]) -> dict[str, storage.Blob]:
+        """Where the bytes of each of these versions are, by digest, of any dataset,
+        current or replaced: a run's pinned versions stay readable after newer ones of
+        the same partitions land (their files are kept; nothing deletes a version). The
+        copy where a version landed is taken; a replica only when that is all there is."""
+        wanted = sorted(set(digests))
+        found: dict[str, storage.Blob] = {}
+        with self._connect() as db:
+            for i in range(0, len(wanted), 500):  # SQLite's limit on bound parameters
+                chunk = wanted[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                rows = db.execute(
+                    "SELECT digest, location, offset, length, 0 FROM history"
+                    f" WHERE digest IN ({marks})"
+                    " UNION SELECT digest, location, offset, length, 0 FROM partitions"
+                    f" WHERE digest IN ({marks})"
+                    " UNION SELECT digest, location, offset, length, 1 FROM replicas"
+                    f" WHERE digest IN ({marks}) ORDER BY 5 DESC, 1, 2",
+                    chunk * 3,
+                ).fetchall()
+                for digest, location, offset, length, _ in rows:  # landed copies last: kept
+                    found[digest] = storage.Blob(location, offset, length, digest)
+        return found
+
     def entries(self, dataset: str, partitions: Iterable[Partition] | None = None) -> list[Entry]:
         """Current entries of a dataset, all of them or those of `partitions`, sorted."""
         with self._connect() as db:

@@ -71,17 +71,9 @@ def sample_rows(rows: Sequence[dict], sample: int | None, seed: int = 0) -> list
 
 
 def input_blobs(catalog: Catalog, digests: set[str]) -> dict[str, storage.Blob]:
-    """Where each input version lives, by digest, from the catalog."""
-    found = {}
-    for dataset in catalog.datasets():
-        table = catalog.table(dataset)
-        for digest, url, offset, length in zip(
-            *(table[c].to_pylist() for c in ("digest", "location", "offset", "length")),
-            strict=True,
-        ):
-            if digest in digests:
-                found[digest] = storage.Blob(url, offset, length, digest)
-    return found
+    """Where each input version lives, by digest: the catalog's current versions and
+    every one they replaced (a run reads its pin, which newer landings do not change)."""
+    return catalog.blobs(digests)
 
 
 def check_nodes(
