@@ -30,8 +30,15 @@ class MlflowTracking(Block):
     experiment: str = Field(default="quantloop", description="MLflow experiment name.")
     registered_model: str = Field(
         default="quantloop-orderbook",
-        description="Registered model (MLflow Model Registry) that trained models become "
-        "versions of.",
+        description="The guarded registered model (MLflow Model Registry) whose `champion` "
+        "alias retrain, backtest and `models:/<name>@champion` use: only the promote flow "
+        "adds versions to it (copies of candidates that passed its gates).",
+    )
+    candidate_model: str | None = Field(
+        default=None,
+        description="Registered model that research and retrain runs register their "
+        "models in, as candidates for promotion. Empty: the guarded model's name plus "
+        "'-candidates' (quantloop-orderbook-candidates).",
     )
     artifact_location: str | None = Field(
         default=None,
@@ -56,6 +63,11 @@ class MlflowTracking(Block):
         description="That user's password (kept secret: never shown or logged). Empty: "
         "MLFLOW_TRACKING_PASSWORD, if set.",
     )
+
+    @property
+    def candidates(self) -> str:
+        """The registered model trained models become versions of (candidate_model)."""
+        return self.candidate_model or f"{self.registered_model}-candidates"
 
     def resolved_uri(self) -> str:
         """The URI with a relative SQLite path made absolute (runs may change directory)."""

@@ -39,8 +39,8 @@ from quantloop.tasks.engine import (
     sha256_json,
     storage,
 )
-from quantloop.tasks.records import tracking
-from quantloop.tasks.records.recipe import Recipe, read_recipe, resolve_version
+from quantloop.tasks.records import promotion, tracking
+from quantloop.tasks.records.recipe import Recipe, read_recipe
 from quantloop.tasks.research.backtest import backtest_kind, node_params
 from quantloop.tasks.research.form import SimForm
 from quantloop.tasks.research.planning import shards
@@ -228,7 +228,9 @@ def backtest(
     tracking_block = workspace.resolve_tracking()
     client, experiment = tracking.client_for(tracking_block)
     name = model or tracking_block.registered_model
-    mv = resolve_version(client, name, version)
+    # The guarded model's versions (and the champion) only with a passing promotion
+    # record (tasks/records/promotion.py); a candidate by its number in its own model.
+    mv = promotion.resolve_for_use(client, name, version, guarded=tracking_block.registered_model)
     recipe = read_recipe(client, mv, workspace.catalog())
     site = workspace.resolve_site()
     model_url = storage.join(site.root, "models", f"{recipe.model_key}.pt")

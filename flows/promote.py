@@ -29,10 +29,14 @@ end of the research run to the alias moving.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import getpass
 import json
 import math
+import os
+import socket
 import time
 from typing import Annotated
 
@@ -47,7 +51,7 @@ from quantloop.flows.reproduce import reproduce
 from quantloop.profiling.replay import predictor_for
 from quantloop.tasks.data.schema import Partition
 from quantloop.tasks.engine import storage
-from quantloop.tasks.records import runs, tracking
+from quantloop.tasks.records import promotion, registry, runs, tracking
 from quantloop.tasks.records.recipe import RESOLVED_PARAMS, read_recipe
 from quantloop.tasks.research.folds import split_fold
 from quantloop.tasks.research.gate import GateConfig, GateResult, paired_gate
@@ -257,6 +261,76 @@ MARKOUT_TAGS = (
 )  # fmt: skip
 
 
+def promoter_of(tracking_block) -> str:
+    """Who promotes: the MLflow identity the flow records as (the tracking block's user,
+    else MLFLOW_TRACKING_USERNAME); on a store without identities (embedded SQLite), the
+    operating-system user and host, said to be no MLflow identity."""
+    user = tracking_block.username or os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if user and tracking_block.resolved_uri().startswith(("http://", "https://")):
+        return user
+    return f"{getpass.getuser()}@{socket.gethostname()} (no MLflow identity: local store)"
+
+
+def skipped_reproduction(gates: dict) -> dict:
+    failed = [g for g, v in gates.items() if not v["passed"]]
+    return {"nodes": 0, "failures": 0, "passed": None, "skipped": True,
+            "why": f"not run: the {' and '.join(failed)} gate failed, so the version is "
+                   "refused whatever it would show"}  # fmt: skip
+
+
+def record_decision(client, decision: dict, *, candidate, guarded: str, alias: str,
+                    research_ended_s: float | None) -> dict:  # fmt: skip
+    """Record `decision` (its gates, the promoter, when) on the candidate version; when
+    promoted, copy the candidate into the guarded model (the copy carries the record, and
+    names its source), and only then move `alias` to the copy. Returns the decision with
+    `champion_version` (and `promotion_time_s`) when promoted."""
+    name, number = candidate.name, str(candidate.version)
+    accepted = decision["decision"] == "promoted"
+    gates = decision["gates"]
+    if accepted and research_ended_s is not None:
+        decision["promotion_time_s"] = round(time.time() - research_ended_s, 3)
+    # Every decision is kept: the latest as tags, all of them in the history.
+    history = json.loads((candidate.tags or {}).get("promotion.history", "[]"))
+    history.append({k: decision[k] for k in ("decision", "decided_at", "promoter")}
+                   | {g: v["passed"] for g, v in gates.items()}
+                   | {"p_adjusted": gates["markout"].get("p_adjusted")}
+                   | ({"time_s": decision["promotion_time_s"]}
+                      if "promotion_time_s" in decision else {}))  # fmt: skip
+    markout = gates["markout"]
+    tags = {
+        "promotion.history": json.dumps(history),
+        promotion.DECISION: decision["decision"],
+        promotion.GATES: json.dumps(gates, sort_keys=True, default=str),
+        promotion.DECIDED_AT: decision["decided_at"],
+        promotion.PROMOTER: decision["promoter"],
+        **{f"promotion.markout.{k}": "" if markout.get(k) is None else markout[k]
+           for k in MARKOUT_TAGS},
+        "promotion.markout.window": json.dumps(markout.get("window"), sort_keys=True),
+        **({promotion.TIME_S: decision["promotion_time_s"]}
+           if "promotion_time_s" in decision else {}),
+    }  # fmt: skip
+    for key, value in tags.items():
+        client.set_model_version_tag(name, number, key, str(value))
+    if promotion.TIME_S not in tags:  # a refusal: no promotion time of an earlier one stays
+        with contextlib.suppress(Exception):  # MLflow's RESOURCE_DOES_NOT_EXIST: none there
+            client.delete_model_version_tag(name, number, promotion.TIME_S)
+    if not accepted:
+        return decision
+    source = f"{name}/{number}"
+    if name == guarded:  # a version registered in the guarded model before candidates were
+        champion = candidate
+    else:
+        champion = registry.copy_version(client, name, number, guarded)
+    # The copy has the candidate's tags, the record included; it names its source.
+    client.set_model_version_tag(guarded, champion.version, promotion.SOURCE, source)
+    if name != guarded:
+        client.set_model_version_tag(name, number, promotion.CHAMPION_VERSION,
+                                     f"{guarded}/{champion.version}")  # fmt: skip
+    client.set_registered_model_alias(guarded, alias, champion.version)
+    decision["champion_version"] = str(champion.version)
+    return decision
+
+
 @flow(name="promote")
 def promote(
     run: str,
@@ -267,8 +341,9 @@ def promote(
     workspace: Workspace = Workspace(),
     alias: str = ALIAS,
 ) -> dict:
-    """Gate research run `run`'s model version (its MLflow or Prefect run id) and move
-    `alias` to it when every gate passes. Returns the decision with the gate values.
+    """Gate research run `run`'s candidate model version (its MLflow or Prefect run id);
+    when every gate passes, copy it into the guarded registered model and move `alias`
+    to the copy. Returns the decision with the gate values.
 
     Args:
         run: The research (or retrain) run: its MLflow run id or Prefect flow run id.
@@ -278,64 +353,55 @@ def promote(
             adjustment (0 to 0.5, exclusive).
         min_improvement_bps: Margin in basis points (0 to 100) by which the candidate's
             mean mark-out must beat the incumbent's on the shared window.
-        reproduce_sample: Feature nodes the reproduction gate re-runs.
+        reproduce_sample: Feature nodes the reproduction gate re-runs (only when the
+            mark-out and ladder gates have passed).
         workspace: Where the tracking server is (the runs' own records say where their
-            data and outputs are).
+            data and outputs are); under `quantloop serve`, as the promoter identity.
         alias: The alias to move.
     """
     logger = get_run_logger()
     cfg = GateConfig(alpha=alpha, min_improvement_bps=min_improvement_bps, horizon=horizon)
-    client, _ = tracking.client_for(workspace.resolve_tracking())
+    tracking_block = workspace.resolve_tracking()
+    client, _ = tracking.client_for(tracking_block)
+    guarded = tracking_block.registered_model
     research = runs.find_research_run(client, run)
     name = research.data.tags.get("registered_model")
     number = research.data.tags.get("model_version")
     if not name or not number:
         raise LookupError(f"research run {research.info.run_id} registered no model version")
     version = client.get_model_version(name, number)
-    reproduced = reproduce(research.info.run_id, sample=reproduce_sample, models=True,
-                           workspace=workspace)  # fmt: skip
-    gates = _finite({
-        "markout": markout_gate(client, name, research, version, cfg, alias, logger),
-        "reproduction": {
-            "nodes": reproduced["nodes"],
-            "failures": reproduced["failures"],
-            "passed": reproduced["failures"] == 0,
-        },
+    # The cheap gates first: the reproduction (1.5-3 min) runs only when they pass.
+    gates = {
         "ladder": ladder_gate(version),
-    })  # fmt: skip
+        "markout": markout_gate(client, guarded, research, version, cfg, alias, logger),
+    }
+    if all(g["passed"] for g in gates.values()):
+        reproduced = reproduce(research.info.run_id, sample=reproduce_sample, models=True,
+                               workspace=workspace)  # fmt: skip
+        gates["reproduction"] = {"nodes": reproduced["nodes"],
+                                 "failures": reproduced["failures"],
+                                 "passed": reproduced["failures"] == 0}  # fmt: skip
+    else:
+        gates["reproduction"] = skipped_reproduction(gates)
+    gates = _finite({g: gates[g] for g in ("markout", "reproduction", "ladder")})
     accepted = all(g["passed"] for g in gates.values())
-    decided = dt.datetime.now(dt.UTC)
     decision = {
-        "version": number, "model": name, "alias": alias,
+        "version": number, "model": name, "alias": alias, "guarded_model": guarded,
         "decision": "promoted" if accepted else "refused", "gates": gates,
-        "decided_at": decided.isoformat(timespec="seconds"),
+        "decided_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "promoter": promoter_of(tracking_block),
     }  # fmt: skip
-    if accepted:
-        client.set_registered_model_alias(name, alias, number)
-        ended = (research.info.end_time or research.info.start_time) / 1000
-        decision["promotion_time_s"] = round(time.time() - ended, 3)
-    # Every decision is kept: the latest as tags, all of them in the history.
-    history = json.loads(version.tags.get("promotion.history", "[]"))
-    history.append({k: decision[k] for k in ("decision", "decided_at")}
-                   | {g: v["passed"] for g, v in gates.items()}
-                   | {"p_adjusted": gates["markout"]["p_adjusted"]})  # fmt: skip
-    markout = gates["markout"]
-    for key, value in {
-        "promotion.history": json.dumps(history),
-        "promotion.decision": decision["decision"],
-        "promotion.gates": json.dumps(gates, sort_keys=True, default=str),
-        "promotion.decided_at": decision["decided_at"],
-        **{f"promotion.markout.{k}": "" if markout.get(k) is None else markout[k]
-           for k in MARKOUT_TAGS},
-        "promotion.markout.window": json.dumps(markout["window"], sort_keys=True),
-        **({"promotion.time_s": decision["promotion_time_s"]} if accepted else {}),
-    }.items():  # fmt: skip
-        client.set_model_version_tag(name, number, key, str(value))
+    ended = (research.info.end_time or research.info.start_time) / 1000
+    decision = record_decision(client, decision, candidate=version, guarded=guarded,
+                               alias=alias, research_ended_s=ended)  # fmt: skip
     line = (
         f"{name} version {number}: {decision['decision']} ("
-        + "; ".join(f"{g}: passed" if v["passed"] else f"{g}: failed, {v.get('why', '')}"
+        + "; ".join(f"{g}: passed" if v["passed"] else
+                    f"{g}: {'skipped' if v.get('skipped') else 'failed'}, {v.get('why', '')}"
                     for g, v in gates.items())
         + ")"
+        + (f"; {alias} -> {guarded} version {decision['champion_version']}"
+           if accepted else "")
     )  # fmt: skip
     logger.info(line)
     progress.note("promote", line)

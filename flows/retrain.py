@@ -28,9 +28,9 @@ from quantloop.flows.simulate import simulate as simulate_flow
 from quantloop.flows.train import train as train_flow
 from quantloop.tasks.data.schema import Partition
 from quantloop.tasks.engine import sha256_json, storage
-from quantloop.tasks.records import tracking
+from quantloop.tasks.records import promotion, tracking
 from quantloop.tasks.records.provenance import code_digest, git_commit
-from quantloop.tasks.records.recipe import Recipe, read_recipe, resolve_version
+from quantloop.tasks.records.recipe import Recipe, read_recipe
 from quantloop.tasks.records.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
 from quantloop.tasks.research.simulation import SimConfig
 from quantloop.tasks.research.stage import StageParams, plan_folds
@@ -107,7 +107,9 @@ def retrain(
     tracking_block = workspace.resolve_tracking()
     client, experiment = tracking.client_for(tracking_block)
     name = model or tracking_block.registered_model
-    source = resolve_version(client, name, alias)
+    candidates = tracking_block.candidates  # where the retrained model is registered
+    # The champion's recipe only if promote made it one (tasks/records/promotion.py).
+    source = promotion.resolve_for_use(client, name, alias, guarded=tracking_block.registered_model)
     recipe = read_recipe(client, source, workspace.catalog())
     recipe_digest = sha256_json(recipe.digest_fields())
     train = TrainConfig(**recipe.train)
@@ -158,13 +160,13 @@ def retrain(
         # New only if this run registered it: the same model (the same key: the same recipe
         # and days) is found with the version it was first registered as, maybe by
         # a research run on these days.
-        found = client.get_model_version(name, trained.model_version)
+        found = client.get_model_version(candidates, trained.model_version)
         new = trained.model_version if found.tags.get("research_run_id") == parent.run_id else None
         if new is not None:
             for key, value in {RETRAINED_FROM_TAG: f"{name}/{source.version}",
                                RECIPE_TAG: recipe_digest}.items():  # fmt: skip
-                client.set_model_version_tag(name, new, key, value)
-        parent.tags({"model_digest": trained.model_digest, "registered_model": name,
+                client.set_model_version_tag(candidates, new, key, value)
+        parent.tags({"model_digest": trained.model_digest, "registered_model": candidates,
                      "model_version": trained.model_version or ""})  # fmt: skip
         markout = {f"markout_bps.{h}": v for h, v in simulated.markout_bps.items()}
         parent.metrics({"wall_s": time.perf_counter() - t0, "trades": simulated.trades, **markout})

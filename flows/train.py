@@ -412,7 +412,7 @@ def _record(
         )
         version = registry.register(
             client, tracking_block.resolved_uri(), experiment, run.run_id, result,
-            parts[min(parts)].read(), name=tracking_block.registered_model,
+            parts[min(parts)].read(), name=tracking_block.candidates,
             model_key=model.key, tags={**digests, "train_run_id": run.run_id,
                                        "research_run_id": parent_run_id,
                                        "train_config": json.dumps(asdict(config)),

@@ -21,8 +21,13 @@ The servers are locked: Prefect with an API auth string (its clients, the worker
 this process send it; its UI asks for it once and keeps it), MLflow behind its
 basic-auth app. The credentials are made on the first start, kept in
 <home>/serve/credentials.json (readable by its owner only) and reused; a request
-without them gets 401. Flow runs record to the workspace's MLflow store directly,
-not through the server, so they need none. `--no-auth` serves without it.
+without them gets 401. MLflow has three identities (quantloop/identities.py): serve's
+admin, the researchers' and the promoter's; the deployments' flow runs record through
+the server (artifacts as mlflow-artifacts:/ URIs another host can load), research,
+retrain and backtest as the researcher, promote as the promoter, so only the promote
+flow can change the guarded registered model that carries `champion`. `--no-auth`
+serves without it (runs then record to the workspace's store directly).
+
 """
 
 from __future__ import annotations
@@ -52,18 +57,9 @@ from quantloop.deploy import (
     read_deployments,
     read_queues,
 )
+from quantloop.identities import PROMOTER, RESEARCHER, Credentials
 
 WORKER_NAME = "quantloop-serve"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Credentials:
-    prefect_auth_string: str  # "user:password", Prefect's API auth string
-    mlflow_user: str
-    mlflow_password: str  # MLflow asks for 12 characters or more
-
-    def __repr__(self) -> str:  # never shown
-        return "Credentials(...)"
 
 
 # auth_cache_ttl_seconds: MLflow checks the password hash (scrypt, ~0.1 s of CPU here) on
@@ -127,24 +123,24 @@ class StackConfig:
         return "sqlite:///" + str(self.home / "mlflow.db")
 
     def credentials(self) -> Credentials | None:
-        """The stack's credentials (made on its first start, then reused); None with
-        auth off."""
+        """The stack's credentials (made on its first start, then reused; a file of the
+        one-user form upgraded): quantloop/identities.py. None with auth off."""
         if not self.auth:
             return None
-        path = self.state / "credentials.json"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            made = Credentials(prefect_auth_string=f"quantloop:{secrets.token_urlsafe(18)}",
-                               mlflow_user="quantloop",
-                               mlflow_password=secrets.token_urlsafe(18))  # fmt: skip
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(dataclasses.asdict(made), f, indent=1)
-        return Credentials(**json.loads(path.read_text()))
+        from quantloop import identities
 
-    def workspace(self) -> dict:
-        """The research workspace the deployments get: embedded defaults under home."""
-        return {"home": str(self.home)}
+        return identities.load(self.state / "credentials.json")
+
+    def workspace(self, role: str = RESEARCHER) -> dict:
+        """The workspace the deployments get: embedded defaults under home, recording
+        through this stack's MLflow server as `role` (a saved tracking block serve writes:
+        quantloop/identities.py) when it is locked; the embedded store without auth."""
+        from quantloop import identities
+
+        if not self.auth:
+            return {"home": str(self.home)}
+        block = identities.PROMOTER_BLOCK if role == PROMOTER else identities.RESEARCHER_BLOCK
+        return {"home": str(self.home), "tracking": block}
 
 
 @dataclasses.dataclass
@@ -241,9 +237,12 @@ def mlflow_service(cfg: StackConfig) -> Service:
     if creds := cfg.credentials():
         ini = cfg.state / "mlflow-auth.ini"
         ini.write_text(MLFLOW_AUTH_INI.format(db=cfg.state / "mlflow-auth.db",
-                                              user=creds.mlflow_user))  # fmt: skip
+                                              user=creds.admin.username))  # fmt: skip
+        # The admin's password on the auth database's first start only; later ones keep
+        # what the database has (a rotation changes it through the API: identities.setup).
         env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini),
-                   MLFLOW_AUTH_ADMIN_PASSWORD=creds.mlflow_password,
+                   MLFLOW_AUTH_ADMIN_PASSWORD=creds.previous_admin_password
+                   or creds.admin.password,
                    MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))  # fmt: skip
         app = ["--app-name", "basic-auth"]
     argv = [
@@ -369,6 +368,28 @@ def register_blocks() -> None:
         block.register_type_and_schema()
 
 
+def setup_identities(cfg: StackConfig, creds: Credentials) -> None:
+    """Once MLflow is up: its users, registered models and grants (quantloop/identities.py),
+    as its admin; then the researcher's and the promoter's tracking blocks, saved under
+    the names the deployments' workspaces give (their passwords as SecretStr)."""
+    from pydantic import SecretStr
+
+    from quantloop import identities
+    from quantloop.blocks import MlflowTracking
+
+    served = MlflowTracking(tracking_uri=cfg.mlflow_url, ui_url=cfg.mlflow_url)
+    identities.setup(cfg.mlflow_url, creds, experiment=served.experiment,
+                     models=(served.registered_model, served.candidates))  # fmt: skip
+    if creds.previous_admin_password:  # the server has the rotated one now
+        creds = dataclasses.replace(creds, previous_admin_password=None)
+        identities.write(cfg.state / "credentials.json", creds)
+    for block_name, who in ((identities.RESEARCHER_BLOCK, creds.researcher),
+                            (identities.PROMOTER_BLOCK, creds.promoter)):  # fmt: skip
+        served.model_copy(update={"username": who.username,
+                                  "password": SecretStr(who.password)}).save(
+            block_name, overwrite=True)  # fmt: skip
+
+
 @contextlib.contextmanager
 def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator[Stack]:
     """The stack, up and ready inside the block, stopped (everything) on the way out."""
@@ -409,10 +430,18 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
         t1 = time.monotonic()
         with temporary_settings({PREFECT_API_URL: cfg.api_url, **client_auth}):
             register_blocks()
-            specs = for_stack(
-                read_deployments(cfg.prefect_file, cfg.checkout),
-                pool=cfg.pool, checkout=cfg.checkout, workspace=cfg.workspace(),
-            )  # fmt: skip
+            if creds:
+                t2 = time.monotonic()
+                setup_identities(cfg, creds)
+                timings["identities_s"] = time.monotonic() - t2
+            # The promote deployment records as the promoter; the others as researchers.
+            found = read_deployments(cfg.prefect_file, cfg.checkout)
+            specs = [
+                *for_stack([d for d in found if d.flow != "promote"], pool=cfg.pool,
+                           checkout=cfg.checkout, workspace=cfg.workspace(RESEARCHER)),
+                *for_stack([d for d in found if d.flow == "promote"], pool=cfg.pool,
+                           checkout=cfg.checkout, workspace=cfg.workspace(PROMOTER)),
+            ]  # fmt: skip
             # The stack's own server: its deployments follow prefect.yaml.
             ids = apply(specs, replace=True, root=cfg.checkout,
                         queues=read_queues(cfg.prefect_file))  # fmt: skip
@@ -449,7 +478,8 @@ def serve_forever(cfg: StackConfig, say: Callable[[str], None] = print) -> None:
             if cfg.auth:
                 say(
                     f"credentials:  {cfg.state / 'credentials.json'} (the Prefect UI asks for "
-                    "prefect_auth_string; MLflow for mlflow_user and mlflow_password)"
+                    "prefect_auth_string; MLflow for mlflow.researcher's username and "
+                    "password; mlflow.promoter is the promote flow's)"
                 )
             say(
                 f"ready in {t['total_s']:.1f} s (Prefect API {t['prefect_api_s']:.1f} s, "

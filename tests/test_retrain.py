@@ -8,13 +8,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from quantloop.blocks import MlflowTracking
 from quantloop.flows.backtest import backtest
-from quantloop.flows.promote import promote
+from quantloop.flows.promote import promote, record_decision
 from quantloop.flows.research import ResearchParams, research
 from quantloop.flows.retrain import retrain
 from quantloop.tasks.data.landing import business_days, land_synthetic
@@ -34,20 +35,37 @@ TINY = {
 }  # fmt: skip
 
 
+def promoted_before(client, run, guarded: str) -> str:
+    """The run's candidate made the champion of `guarded` as the promote flow makes one
+    (flows/promote.record_decision: the copy, its record, the alias), its gate values
+    planted: a champion from an earlier promotion. The copy's version number."""
+    gates = {"markout": {"passed": True, "p_adjusted": 0.001, "window": {}, "why": "planted"},
+             "reproduction": {"passed": True, "nodes": 0, "failures": 0},
+             "ladder": {"passed": True}}  # fmt: skip
+    decision = {"decision": "promoted", "gates": gates, "decided_at": "2026-03-04T00:00:00+00:00",
+                "promoter": "test (planted)"}  # fmt: skip
+    candidate = client.get_model_version(run.registered_model, run.model_version)
+    done = record_decision(client, decision, candidate=candidate, guarded=guarded,
+                           alias="champion", research_ended_s=None)  # fmt: skip
+    return done["champion_version"]
+
+
 @pytest.fixture
 def champion(prefect_api, mlflow_uri, tmp_path):
     """A research run's model as the champion of a registered model of its own (the
-    session's server is shared), and two newer days landed after it."""
+    session's server is shared), and two newer days landed after it; the run's own
+    version is a candidate in `<name>-candidates`, the champion its copy in `<name>`."""
     name = f"retrain-test-{uuid.uuid4().hex[:8]}"
     workspace = Workspace(home=str(tmp_path / "home"), n_workers=1, tracking=MlflowTracking(
         tracking_uri=mlflow_uri, experiment=name, registered_model=name))  # fmt: skip
     run = research(ResearchParams.model_validate({**TINY, "workspace": workspace}))
+    assert run.registered_model == f"{name}-candidates"
     client = MlflowClient(mlflow_uri)
-    client.set_registered_model_alias(name, "champion", run.model_version)
+    copied = promoted_before(client, run, name)
     newer = business_days(START, 4)[2:]
     land_synthetic(workspace.catalog(), workspace.resolve_site().root, ["SYNA", "SYNB"], newer,
                    SyntheticConfig(**SYNTHETIC))  # fmt: skip
-    return workspace, name, run, newer
+    return workspace, name, SimpleNamespace(run=run, model_version=copied), newer
 
 
 @pytest.mark.slow
@@ -57,13 +75,14 @@ def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflo
     client = MlflowClient(mlflow_uri)
     summary = retrain(workspace=workspace)
 
+    candidates = f"{name}-candidates"
     assert summary.from_version == first.model_version
     assert summary.new_version is not None and summary.new_version != first.model_version
     assert (summary.start, summary.end) == (newer[0], newer[-1])  # the newest days only
     # the alias stays: promotion is promote's
     assert client.get_model_version_by_alias(name, "champion").version == first.model_version
-    old, new = (client.get_model_version(name, v) for v in (first.model_version,
-                                                            summary.new_version))  # fmt: skip
+    old = client.get_model_version(name, first.model_version)
+    new = client.get_model_version(candidates, summary.new_version)  # a candidate
     assert new.tags["train_config"] == old.tags["train_config"]
     assert new.tags["retrained_from"] == f"{name}/{first.model_version}"
     assert new.tags["data_digest"] != old.tags["data_digest"]
@@ -73,7 +92,7 @@ def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflo
     # its run is shaped like a research run: features, train and simulate under it
     stages = runs.stage_runs(client, client.get_run(summary.mlflow_run_id))
     assert set(stages) == {"features", "train", "simulate"}
-    # so promote gates the new version as it gates a research run's: reproduction included.
+    # so promote gates the new version as it gates a research run's.
     # Champion and candidate replay the one day neither trained on: the retrain's held-out
     # day (the champion trained on the first day and held out the second). Margin 5 bps:
     # a retrain of the same recipe does not beat its source by that (here: within 1 bp).
@@ -81,7 +100,6 @@ def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflo
                        workspace=workspace)  # fmt: skip
     gate = decision["gates"]["markout"]
     assert decision["version"] == summary.new_version
-    assert decision["gates"]["reproduction"]["passed"], decision["gates"]
     assert (gate["against"], gate["champion"]) == ("champion", first.model_version)
     assert gate["window"]["days"] == [newer[-1].isoformat()] and gate["window"]["excluded"] == {}
     assert gate["window"]["events"] == 2 * SYNTHETIC["events_per_day"]
@@ -90,15 +108,20 @@ def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflo
     assert abs(gate["difference_bps"]) < 5.0 and gate["p_value"] > 0.05
     assert decision["decision"] == "refused" and ">= alpha 0.05" in gate["why"]
     assert client.get_model_version_by_alias(name, "champion").version == first.model_version
-    tags = client.get_model_version(name, summary.new_version).tags
+    tags = client.get_model_version(candidates, summary.new_version).tags
     assert tags["promotion.markout.min_improvement_bps"] == "5.0"
     assert tags["promotion.markout.why"] == gate["why"]
+    # refused on the mark-out gate: the reproduction was not run (it would take minutes)
+    assert decision["gates"]["reproduction"]["skipped"], decision["gates"]
+    assert "promotion.time_s" not in tags
 
-    # Nothing new landed: the same key, the same version; no copy is registered.
-    again = retrain(workspace=workspace, alias=summary.new_version)
+    # Nothing new landed: the same key, the same version; no copy is registered. (A
+    # candidate's recipe, by its number in the candidates model: no promotion needed.)
+    again = retrain(workspace=workspace, model=candidates, alias=summary.new_version)
     assert again.new_version is None and again.model_cached
     assert again.version == summary.new_version
-    assert len(client.search_model_versions(f"name = '{name}'")) == 2
+    assert len(client.search_model_versions(f"name = '{candidates}'")) == 2
+    assert len(client.search_model_versions(f"name = '{name}'")) == 1  # the champion only
 
     # One day of data: the retrain holds out the end of the day (an intraday fold). The
     # window is those rows; the champion never saw the day.
@@ -133,7 +156,7 @@ def test_backtest_nodes_are_cached_by_the_models_weights(champion, mlflow_uri):
     # Another version (other weights): every node recomputes.
     other = retrain(workspace=workspace)
     assert other.new_version is not None
-    third = backtest(workspace=workspace, version=other.new_version)
+    third = backtest(workspace=workspace, model=f"{name}-candidates", version=other.new_version)
     assert (third.nodes, third.computed, third.cache_hits) == (8, 8, 0)
     summary = json.loads(
         read_artifact(client, third.mlflow_run_id, "summary/backtest_summary.json")

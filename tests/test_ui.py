@@ -212,8 +212,7 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypat
             browser = pw.chromium.launch(executable_path=browser_path, args=CHROMIUM_ARGS)
             context = browser.new_context(
                 viewport={"width": 1400, "height": 1000},
-                http_credentials={"username": creds["mlflow_user"],
-                                  "password": creds["mlflow_password"]},
+                http_credentials=creds["mlflow"]["researcher"],  # username, password
             )  # fmt: skip
             # What Prefect's login page keeps once the auth string is typed in.
             context.add_init_script(
@@ -343,8 +342,9 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypat
     with serve(home, deployments) as again:
         assert "UI built" in again.output() and "first start" not in again.output()
         assert flow_runs(again, "research/desk")[0].id == run.id
-        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", again.credentials["mlflow_user"])
-        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", again.credentials["mlflow_password"])
+        researcher = again.credentials["mlflow"]["researcher"]
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", researcher["username"])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", researcher["password"])
         record = MlflowClient(tracking_uri=again.mlflow).get_run(mlflow_run_id)
         assert record.info.status == "FINISHED" and record.data.params["train.steps"] == "10"
         second_start = again.output()

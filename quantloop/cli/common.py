@@ -243,3 +243,88 @@ def check_version(option: str, value: str) -> None:
 
     if not re.match(_VERSION_REF, value):
         fail(f"{option} {value!r}: give a version number (3) or an alias (champion)")
+
+
+# What a locked MLflow answers a request without (or with the wrong) credentials, and one
+# whose identity may not do it, as MLflow's REST client words it.
+_REFUSED = {401: "401 != 200", 403: "403 != 200"}
+
+
+def refused(exc: BaseException) -> int | None:
+    """401 or 403 when `exc` (or an exception it was raised from) is a locked MLflow
+    server's refusal; None otherwise."""
+    seen = 0
+    while exc is not None and seen < 10:
+        text = str(exc)
+        for code, marker in _REFUSED.items():
+            if marker in text or getattr(exc, "error_code", None) in (
+                ("UNAUTHENTICATED",) if code == 401 else ("PERMISSION_DENIED",)
+            ):
+                return code
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def refusal_line(code: int, uri: str, home: str | None, role: str) -> str:
+    """One line saying what to do about a 401 or 403 from the MLflow server at `uri`."""
+    where = os.path.join(home_of(home), "serve", "credentials.json")
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if code == 401:
+        return (
+            f"MLflow at {uri} refused the request (401: "
+            + (f"user {user!r} and its password are not accepted" if user else "no credentials")
+            + "): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or give the "
+            f"--home of the `quantloop serve` workspace, whose {where} has them "
+            f"(mlflow.{role})"
+        )
+    return (
+        f"MLflow at {uri} refused user {user!r} (403: not permitted): this command needs the "
+        f"{role} identity (mlflow.{role} in {where}; promote is the promoter's alone)"
+    )
+
+
+def records_workspace(home: str | None, tracking_uri: str | None, role: str = "researcher"):
+    """The workspace a command that reads (or, with role promoter, gates) recorded runs
+    uses, checked before anything starts: a local store that is not there is an error
+    naming it (never made empty as a side effect); a tracking server's credentials, when
+    the environment gives none, are `quantloop serve`'s for this home (`role`'s entry of
+    <home>/serve/credentials.json), and a refusal is one line saying what to do."""
+    import urllib.error
+    import urllib.request
+
+    ws = workspace_of(home, tracking_uri)
+    uri = ws.resolve_tracking().resolved_uri()
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///") :]
+        if not os.path.exists(path):
+            flag = "--tracking-uri" if tracking_uri else "--home"
+            fail(f"no MLflow store at {path}: nothing was recorded there (give the {flag} "
+                 "of the runs' records)")  # fmt: skip
+        return ws
+    if not uri.startswith(("http://", "https://")):
+        return ws
+    if not os.environ.get("MLFLOW_TRACKING_USERNAME"):
+        from quantloop.identities import read_for
+
+        found = read_for(home_of(home), role)
+        if found is not None:
+            os.environ["MLFLOW_TRACKING_USERNAME"] = found.username
+            os.environ["MLFLOW_TRACKING_PASSWORD"] = found.password
+    request = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search"
+                                     "?max_results=1")  # fmt: skip
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if user:
+        import base64
+
+        token = f"{user}:{os.environ.get('MLFLOW_TRACKING_PASSWORD', '')}".encode()
+        request.add_header("Authorization", "Basic " + base64.b64encode(token).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+    except urllib.error.HTTPError as exc:
+        if exc.code in _REFUSED:
+            fail(refusal_line(exc.code, uri, home, role))
+        fail(f"MLflow at {uri} answered HTTP {exc.code} to a search of experiments")
+    except (urllib.error.URLError, OSError) as exc:
+        fail(f"MLflow at {uri} is not reachable: {getattr(exc, 'reason', exc)}")
+    return ws

@@ -1,5 +1,5 @@
-"""`quantloop promote`: move the `champion` alias to the run's model version if its gates
-pass: on one.
+"""`quantloop promote`: gate a run's candidate version; when it passes, copy it into the
+guarded registered model and move `champion` to the copy. Records as the promoter.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from quantloop.cli.common import (
     fail,
     prefect_api,
     quiet_console,
-    workspace_of,
+    records_workspace,
+    refusal_line,
+    refused,
     write_json,
 )
 
@@ -59,6 +61,8 @@ def promote(
     version. Exits 1 when refused."""
     if not verbose:
         quiet_console()
+    # Checked first: a missing store or a refused identity is one line, before any start.
+    workspace = records_workspace(home, tracking_uri, role="promoter")
     with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
         from quantloop.flows.promote import promote as promote_flow
 
@@ -67,17 +71,25 @@ def promote(
             decision = promote_flow(run, horizon=horizon, alpha=alpha,
                                     min_improvement_bps=min_improvement_bps,
                                     reproduce_sample=sample,
-                                    workspace=workspace_of(home, tracking_uri))  # fmt: skip
+                                    workspace=workspace)  # fmt: skip
         except LookupError as exc:
             fail(str(exc))
+        except Exception as exc:
+            if (code := refused(exc)) is None:
+                raise
+            uri = workspace.resolve_tracking().resolved_uri()
+            fail(refusal_line(code, uri, home, "promoter"), verbose=verbose, exc=exc)
     for gate, values in decision["gates"].items():
-        verdict = "passed" if values["passed"] else "[bold red]failed[/bold red]"
+        verdict = ("passed" if values["passed"] else "skipped" if values.get("skipped")
+                   else "[bold red]failed[/bold red]")  # fmt: skip
         console.print(f"{gate}: {verdict} ({values.get('why', values)})", soft_wrap=True)
     time_s = decision.get("promotion_time_s")
     console.print(
         f"{decision['model']} version {decision['version']}: {decision['decision']}"
         + (f" in {time_s:.1f} s after its research run" if time_s else "")
-    )
+        + (f"; {decision['alias']} is {decision['guarded_model']} version "
+           f"{decision['champion_version']}" if decision.get("champion_version") else "")
+    )  # fmt: skip
     write_json(summary_json, decision)
     if decision["decision"] != "promoted":
         raise typer.Exit(1)

@@ -20,7 +20,9 @@ from quantloop.cli.common import (
     fail,
     prefect_api,
     quiet_console,
-    workspace_of,
+    records_workspace,
+    refusal_line,
+    refused,
     write_json,
 )
 
@@ -42,15 +44,22 @@ def reproduce(
     without the cache, and compare; exits 1 if anything does not reproduce."""
     if not verbose:
         quiet_console()
+    # Checked first: a missing store or a refused identity is one line, before any start.
+    workspace = records_workspace(home, tracking_uri, role="researcher")
     with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
         from quantloop.flows.reproduce import reproduce as reproduce_flow
 
         api.ready()
         try:
             report = reproduce_flow(run, sample=sample or None, models=models,
-                                    workspace=workspace_of(home, tracking_uri))  # fmt: skip
+                                    workspace=workspace)  # fmt: skip
         except LookupError as exc:
             fail(str(exc))
+        except Exception as exc:
+            if (code := refused(exc)) is None:
+                raise
+            uri = workspace.resolve_tracking().resolved_uri()
+            fail(refusal_line(code, uri, home, "researcher"), verbose=verbose, exc=exc)
     table = Table(title="Reproduction", box=box.SIMPLE_HEAD, collapse_padding=True)
     for col in ("what", "of", "key", "reproduced", "reason"):
         table.add_column(col, no_wrap=col != "reason")

@@ -230,6 +230,21 @@ def _create_version(
     return version
 
 
+def copy_version(client: MlflowClient, name: str, version: str, to: str) -> ModelVersion:
+    """Version `version` of `name` copied into registered model `to` as a new version
+    (`MlflowClient.copy_model_version`: the same model files and run, the tags as they
+    are now). Its source is the candidate's models:/ URI, which a local (SQL) registry
+    resolves through the fluent API's tracking URI: pointed at the client's store."""
+    with tracking_uri(client.tracking_uri), timeline.timed("registration"):
+        copied = client.copy_model_version(f"models:/{name}/{version}", to)
+    deadline = time.monotonic() + READY_WITHIN_S
+    while copied.status == "PENDING_REGISTRATION" and time.monotonic() < deadline:
+        time.sleep(1.0)
+        copied = client.get_model_version(to, copied.version)
+    _logger.info("copied %s version %s to %s version %s", name, version, to, copied.version)
+    return copied
+
+
 def _upload_folder(client: MlflowClient, artifact_uri: str, folder: str) -> None:
     """Every file of `folder` to `artifact_uri`, side by side (a round trip each, ~7)."""
     repo = tracking.artifact_repo(client, artifact_uri)
