@@ -22,6 +22,7 @@ from quantloop.tasks.research.form import (
     TrainForm,
     ValidationForm,
     holdout_into_validation,
+    without_null_branches,
 )
 from quantloop.tasks.research.planning import normalized_overrides, product_params
 from quantloop.tasks.research.simulation import SimConfig
@@ -138,6 +139,11 @@ class ResearchParams(BaseModel):
         description="Re-hash every cached feature output before using it (for audits: reads "
         "every output, which a cache hit otherwise never does); a damaged one is recomputed.",
     )
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        # The run form (Prefect's UI) renders a null branch as 'Property is type "None"'.
+        return without_null_branches(handler(core_schema), handler)
 
     # A form from before the folds (an old resolved_params.json, a recipe, a params file)
     # has a top-level holdout_fraction: the single split it made.

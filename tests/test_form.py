@@ -96,7 +96,10 @@ def test_site_tracking_and_catalog_are_block_pickers_or_names():
         refs = [v["$ref"].rsplit("/", 1)[-1] for v in variants if "$ref" in v]
         assert refs == [block.__name__], field
         assert definitions[refs[0]]["block_type_slug"] == block.get_block_type_slug()
-        assert {"type": "string", "title": "By name"} in variants and {"type": "null"} in variants
+        # no None tab (the form showed 'Property is type "None"' under it): an empty
+        # picker is the default, None
+        assert {"type": "string", "title": "By name"} in variants and len(variants) == 2
+        assert workspace[field]["default"] is None
 
 
 def test_the_per_product_override_is_typed_and_offers_what_may_differ():
@@ -113,7 +116,7 @@ def test_the_per_product_override_is_typed_and_offers_what_may_differ():
         same_columns = feature_set(dataclasses.replace(base, **{
             n: getattr(changed, n) for n in FEATURES.names})) == feature_set(base)  # fmt: skip
         assert same_columns == (name in offered), name
-    bounds = definitions["ProductOverride"]["properties"]["ofi_window"]["anyOf"][0]
+    bounds = definitions["ProductOverride"]["properties"]["ofi_window"]
     assert bounds["minimum"] == definitions["FeatureParams"]["properties"]["ofi_window"]["minimum"]
 
 
@@ -171,7 +174,8 @@ def test_validation_is_a_form_section_defaulting_to_two_walk_forward_folds():
     }  # fmt: skip
     # defaults of the fields are the research run's too: a partial section keeps them
     assert fields["folds"]["default"] == 2 and fields["test_dates"]["default"] == 1
-    assert fields["folds"]["anyOf"][0] == {"maximum": 10_000, "minimum": 0, "type": "integer"}
+    assert (fields["folds"]["type"], fields["folds"]["minimum"], fields["folds"]["maximum"]) == (
+        "integer", 0, 10_000)  # fmt: skip
     assert fields["min_train_dates"]["minimum"] == 1 and fields["embargo_dates"]["minimum"] == 0
     assert (fields["holdout_fraction"]["exclusiveMinimum"],
             fields["holdout_fraction"]["exclusiveMaximum"]) == (0, 1)  # fmt: skip
@@ -217,3 +221,68 @@ def test_a_picked_block_reaches_the_flow_as_that_block(prefect_api, tmp_path):
     )
     by_name = ResearchParams.model_validate({"workspace": {"site": "picked-site"}})
     assert by_name.workspace.resolve_site().root == str(tmp_path / "store")
+
+
+def form_properties(schema: dict):
+    """(definition, field, spec) of every field the run form renders: a saved block's own
+    fields are not (the form offers a picker of saved blocks)."""
+    for model, definition in schema["definitions"].items():
+        if "block_type_slug" in definition:
+            continue
+        for name, spec in definition.get("properties", {}).items():
+            yield model, name, spec
+
+
+def test_no_form_field_renders_as_type_none():
+    """Prefect's form renders each branch of an `anyOf` as a tab and a `{"type": "null"}`
+    branch as the text 'Property is type "None"', selected under every optional field
+    whose default is None. An optional field is its one type with a default: left
+    empty, the model's default (None) applies; JSON may still give null."""
+    schema = schema_of(research)
+    with_null = [f"{model}.{name}" for model, name, spec in form_properties(schema)
+                 if spec.get("type") == "null"
+                 or any(b.get("type") == "null" for b in spec.get("anyOf", []))]  # fmt: skip
+    assert with_null == []
+    # what the form leaves empty still reads as None, and null from JSON too
+    values = {"data": {"lobster_dir": None}, "train": {"window_s": None},
+              "workspace": {"site": None, "tracking_uri": None},
+              "product_features": {"SYNA": {"ofi_window": None}}}  # fmt: skip
+    params = ResearchParams.model_validate(values)
+    assert (params.data.lobster_dir, params.train.window_s, params.workspace.site) == (
+        None, None, None)  # fmt: skip
+    fields = schema["definitions"]["DataSource"]["properties"]
+    assert fields["lobster_dir"]["type"] == "string"
+    assert fields["lobster_dir"]["title"] == "LOBSTER folder"
+
+
+def test_form_titles_are_written_not_generated_from_field_names():
+    """A title pydantic makes from a field's name ('Tick Size', 'Start Price') is a
+    machine's: every field of the form has one written for it."""
+    schema = schema_of(research)
+    generated = [
+        f"{model}.{name}"
+        for model, name, spec in form_properties(schema)
+        if "_" in name and spec.get("title") == name.replace("_", " ").title()
+    ]
+    assert generated == []
+    synthetic = schema["definitions"]["SyntheticConfig"]["properties"]
+    assert synthetic["tick_size"]["title"] == "Tick size ($0.0001 units)"
+    assert synthetic["start_price"]["title"] == "Start price ($0.0001 units)"
+
+
+def test_placement_is_a_choice_of_the_policies():
+    """The placement policies of tasks/engine/placement.py, `node` and `single:<site>`, as
+    a choice and, for `single`, the site's name; the older text form still reads."""
+    from quantloop.tasks.runtime.workspace import Workspace
+
+    fields = schema_of(research)["definitions"]["Workspace"]["properties"]
+    assert fields["placement"]["enum"] == ["node", "single"]
+    assert fields["placement"]["title"] == "Placement"
+    assert fields["single_site"]["type"] == "string"
+    assert Workspace().placement == "node"
+    assert Workspace(placement="single", single_site="A").placement == "single:A"
+    assert Workspace.model_validate({"placement": "single:A"}).single_site == "A"
+    with pytest.raises(ValidationError, match="single_site"):
+        Workspace(placement="single")
+    with pytest.raises(ValidationError, match="placement"):
+        Workspace.model_validate({"placement": "everywhere"})

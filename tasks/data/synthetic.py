@@ -49,8 +49,10 @@ _FIRST_ORDER_ID = 10_000_000  # ids below this stand for orders resting before t
 class SyntheticConfig:
     """The synthetic order-book generator: deterministic by (seed, product, date)."""
 
-    seed: Annotated[int, Field(ge=0, description="Generator seed (>= 0).")] = 0
-    levels: Annotated[int, Field(ge=1, le=50, description="Book levels per side (1 to 50).")] = 10
+    seed: Annotated[int, Field(ge=0, title="Seed", description="Generator seed (>= 0).")] = 0
+    levels: Annotated[
+        int, Field(ge=1, le=50, title="Book levels", description="Book levels per side (1 to 50).")
+    ] = 10
     events_per_day: Annotated[
         int,
         Field(
@@ -64,6 +66,7 @@ class SyntheticConfig:
     tick_size: Annotated[
         int,
         Field(
+            title="Tick size ($0.0001 units)",
             ge=1,
             description="Tick in price units of $0.0001 (LOBSTER's): 100 = one cent (>= 1).",
         ),
@@ -71,6 +74,7 @@ class SyntheticConfig:
     start_price: Annotated[
         int,
         Field(
+            title="Start price ($0.0001 units)",
             ge=1,
             description="Opening mid in price units of $0.0001: 1,000,000 = $100.00 "
             "(at least 100 ticks).",
@@ -87,11 +91,19 @@ class SyntheticConfig:
     ] = 3
     events_per_move: Annotated[
         float,
-        Field(ge=1, description="Mean events between best-price changes (>= 1)."),
+        Field(
+            ge=1,
+            title="Events per price move",
+            description="Mean events between best-price changes (>= 1).",
+        ),
     ] = 8.0
     moves_per_regime: Annotated[
         float,
-        Field(ge=1, description="Mean best-price changes per volatility regime (>= 1)."),
+        Field(
+            ge=1,
+            title="Price moves per regime",
+            description="Mean best-price changes per volatility regime (>= 1).",
+        ),
     ] = 150.0
     vol_of_vol: Annotated[
         float,
@@ -104,12 +116,16 @@ class SyntheticConfig:
         ),
     ] = 0.6
     mean_depth: Annotated[
-        float, Field(ge=1, description="Mean shares queued at level 1 (>= 1).")
+        float,
+        Field(
+            ge=1, title="Mean depth (shares)", description="Mean shares queued at level 1 (>= 1)."
+        ),
     ] = 300.0
     depth_slope: Annotated[
         float,
         Field(
             ge=0,
+            title="Depth slope",
             description="Level k holds (1 + slope x (k - 1)) times level 1's depth (>= 0).",
         ),
     ] = 0.4
@@ -117,6 +133,7 @@ class SyntheticConfig:
         float,
         Field(
             ge=0,
+            title="Signal strength",
             le=1,
             description="How strongly queues foreshadow the next price move (0 = not at all, "
             "1 = most).",
@@ -135,6 +152,7 @@ class SyntheticConfig:
         float,
         Field(
             ge=0,
+            title="Session open (seconds after midnight)",
             lt=86_400,
             description="Session open in seconds after midnight: 34,200 = 09:30.",
         ),
@@ -143,6 +161,7 @@ class SyntheticConfig:
         float,
         Field(
             gt=0,
+            title="Session close (seconds after midnight)",
             le=86_400,
             description="Session close in seconds after midnight: 57,600 = 16:00 "
             "(after the open, at most 86,400).",

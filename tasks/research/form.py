@@ -48,6 +48,50 @@ from quantloop.tasks.research.train_config import TrainConfig
 Events = Annotated[int, Field(ge=1)]
 
 
+def without_null_branches(schema: dict[str, Any], handler: Any) -> dict[str, Any]:
+    """The JSON schema of a form's model, and of every model it refers to, with each
+    optional field as its one type rather than `anyOf: [<type>, {"type": "null"}]`.
+
+    Prefect's run form renders every branch of an `anyOf` as a tab, a null branch as the
+    text 'Property is type "None"', and picks that tab for a field whose value is None:
+    the note stood under every optional field. Without the branch, the field is its
+    type's input, empty while the value is None; left empty, the model's default (None)
+    applies, and JSON may still give null (the models are unchanged, only their schema).
+    A saved block's own fields are left as they are: the form offers a picker of saved
+    blocks, not their fields. Use as a model's `__get_pydantic_json_schema__`."""
+    seen: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+            return
+        if not isinstance(node, dict):
+            return
+        if "$ref" in node:
+            ref = node["$ref"]
+            if ref not in seen:
+                seen.add(ref)
+                definition = handler.resolve_ref_schema({"$ref": ref})
+                if "block_type_slug" not in definition:
+                    visit(definition)
+        branches = node.get("anyOf")
+        if isinstance(branches, list) and {"type": "null"} in branches:
+            kept = [b for b in branches if b != {"type": "null"}]
+            if len(kept) == 1 and "$ref" not in kept[0]:
+                del node["anyOf"]
+                # the field's own title and description win over its type's
+                node.update({k: v for k, v in kept[0].items() if k not in node})
+            else:
+                node["anyOf"] = kept
+        for key, value in node.items():
+            if key != "$ref":
+                visit(value)
+
+    visit(schema)
+    return schema
+
+
 class Form:
     """Pydantic metadata that validates a config dataclass through a described model.
 

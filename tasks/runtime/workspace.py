@@ -59,12 +59,22 @@ class Workspace(BaseModel):
         "default): saved quantloop Site blocks or their names. Each feature node runs at a "
         "site holding its input.",
     )
+    # The policies of tasks/engine/placement.py. The form offers them as a choice, and
+    # the site for `single` in its own field; JSON and the CLI may also give the policy's
+    # text, `single:<site>`, which is what `placement` holds once validated.
     placement: str = Field(
         default="node",
         title="Placement",
         description="'node': each feature node runs at the site holding its input (the "
-        "cheaper per hour of several). 'single:<site>': every node at that site, inputs "
-        "read across sites.",
+        "cheaper per hour of several). 'single': every node at one site (Single site), "
+        "inputs read across sites.",
+        json_schema_extra={"enum": ["node", "single"]},
+    )
+    single_site: str | None = Field(
+        default=None,
+        title="Single site",
+        description="With placement 'single': the name of the site every node runs at "
+        "(the default site's or one of More sites'). Empty with 'node'.",
     )
     on_unreachable: Literal["fail", "replica"] = Field(
         default="fail",
@@ -106,10 +116,26 @@ class Workspace(BaseModel):
 
     @model_validator(mode="after")
     def _check_placement(self) -> Workspace:
-        if self.placement != "node" and not self.placement.startswith("single:"):
+        if self.placement not in ("node", "single") and not self.placement.startswith("single:"):
             raise ValueError(
-                f"placement {self.placement!r}: must be 'node' or 'single:<site name>'"
+                f"placement {self.placement!r}: must be 'node', 'single' (with single_site) "
+                "or 'single:<site name>'"
             )
+        given = self.placement.removeprefix("single:") if ":" in self.placement else None
+        if self.placement == "node":
+            if self.single_site:
+                raise ValueError(
+                    f"single_site {self.single_site!r} is for placement 'single', not 'node'"
+                )
+        elif not (given or self.single_site):
+            raise ValueError("placement 'single' needs single_site: the site every node runs at")
+        elif given and self.single_site and given != self.single_site:
+            raise ValueError(
+                f"placement {self.placement!r} and single_site {self.single_site!r} disagree"
+            )
+        else:
+            self.single_site = given or self.single_site
+            self.placement = f"single:{self.single_site}"
         return self
 
     @property
