@@ -63,6 +63,8 @@ def test_prefect_yaml_entrypoints_load_and_parameters_validate():
         params = dict(d.parameters)
         if flow.name == "simulate":
             params["model_urls"] = ["s3://bucket/models/x.pt"]  # required; given per run
+        if flow.name == "promote":
+            params["run"] = "0" * 32  # required; given per run
         flow.validate_parameters(params)  # raises on an unknown or ill-typed field
         pools[d.full_name] = d.pool
     assert pools == {
@@ -72,6 +74,7 @@ def test_prefect_yaml_entrypoints_load_and_parameters_validate():
         "simulate/desk": "quantloop-cpu",
         "retrain/nightly": "quantloop-cpu",
         "backtest/desk": "quantloop-cpu",
+        "promote/desk": "quantloop-cpu",
     }
     queues = {d.full_name: d.queue for d in read_deployments(PREFECT_YAML)}
     priority = read_queues(PREFECT_YAML)
