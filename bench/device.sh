@@ -18,6 +18,9 @@
 #                                            from process start to exit (cold, no-op, one
 #                                            feature changed, training changed), REPEAT (3)
 #                                            each, on the ladder's workload shape
+#   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
+#                                            against one after another and K processes);
+#                                            SWEEP_ARGS picks its parts (--parts, --ks, --steps)
 #
 # The machine has torch, Triton, numpy, pyarrow, pandas, scipy ... but not Prefect, MLflow
 # or Dask: their wheels (and quantloop's, built from COMMIT) travel in WHEELS (default
@@ -119,6 +122,20 @@ if [ "$stage" = gap ]; then  # the research run against the top rung, one machin
   for f in /tmp/gap.log /tmp/research.log $home/logs/*.log; do
     [ -f "$f" ] && { echo "===== $f"; cat "$f"; }
   done > "$out/run.log"
+  exit 0
+fi
+if [ "$stage" = sweep ]; then  # K models trained as one stack (bench/sweep.py)
+  # Prefect, pydantic ... for the imports of the data stages; not quantloop's own wheel:
+  # bench/sweep.py imports this checkout (bench/checkout.py), the code under test.
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site \
+    $(ls "$wheels"/*.whl | grep -v '/quantloop-') || exit 1
+  echo "== wheels installed at $((SECONDS - start)) s"
+  export PYTHONPATH=/tmp/site TORCHINDUCTOR_CACHE_DIR=/tmp/sweep-inductor
+  rm -rf /tmp/sweep-inductor
+  # shellcheck disable=SC2086  # SWEEP_ARGS is a list of flags
+  timeout "${SWEEP_TIMEOUT:-540}" python3 bench/sweep.py --params "$params" --out "$out" \
+    ${SWEEP_ARGS:-} 2>&1 | grep --line-buffered -v Warn | tee "$out/sweep.log"
+  echo "== sweep rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
   exit 0
 fi
 if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit

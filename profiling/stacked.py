@@ -31,6 +31,8 @@ fp32) and bench/sweep.py (the H200, with the rungs on).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -42,6 +44,7 @@ from torch.func import stack_module_state
 
 from quantloop.models import stacked as stacked_model
 from quantloop.models.orderbook import ModelConfig, OrderBookNet
+from quantloop.profiling import measure
 from quantloop.tasks.research.train_config import TrainConfig
 from quantloop.tasks.research.training import (
     TrainingData,
@@ -49,6 +52,7 @@ from quantloop.tasks.research.training import (
     interval_means,
     model_digest,
     resolve_device,
+    sample_order,
     torch_threads,
 )
 
@@ -70,6 +74,7 @@ class StackConfig:
     # Inductor on a GPU; the CPU tests use "aot_eager" (Dynamo and AOTAutograd without
     # Inductor's C++ build), as tests/test_train_rungs.py does for the ladder's rungs
     compile_backend: str = "inductor"
+    sample_gpu: bool = True  # NVML's busy fraction over the steady steps (CUDA)
 
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -95,6 +100,13 @@ class StackTiming:
     step_ms: float  # per step after the warm-up (all K models)
     samples_per_s: float  # K * batch per step, over the steady steps
     peak_mem_gb: float | None
+    gpu_util: float | None  # mean NVML busy fraction over the steady steps
+
+
+def reseeded(data: TrainingData, cfg: TrainConfig) -> TrainingData:
+    """`data` with the batch order `cfg.seed` gives (sample_order), its arrays shared: the
+    settings of a sweep over one fold differ in seed without preparing the fold again."""
+    return dataclasses.replace(data, order=sample_order(len(data.windows), cfg))
 
 
 def group_key(cfg: TrainConfig, data: TrainingData) -> tuple:
@@ -123,35 +135,37 @@ def check_members(members: Sequence[Member]) -> None:
 
 class StackedAdamW:
     """AdamW over stacked parameters [K, ...] with a learning rate and weight decay per
-    model ([K] tensors), computed as torch.optim.AdamW's single-tensor path does."""
+    model ([K] tensors), computed as torch.optim.AdamW does. The step count lives on the
+    device (as AdamW's `capturable` path keeps it), so a compiled update sees tensors
+    only and compiles once, not once per step for each new bias correction."""
 
     def __init__(self, params: Sequence[torch.Tensor], lr: torch.Tensor,
                  weight_decay: torch.Tensor, *, backend: str | None = None) -> None:  # fmt: skip
         self.params = list(params)
-        self.update = torch.compile(update, backend=backend) if backend else update
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
         # [K, 1, ...] per parameter rank, so each model's value broadcasts over its slice
         self.lr = [lr.view(-1, *[1] * (p.dim() - 1)) for p in self.params]
         self.decay = [1 - (lr * weight_decay).view(-1, *[1] * (p.dim() - 1)) for p in self.params]
-        self.t = 0
+        self.t = torch.zeros((), dtype=torch.float32, device=lr.device)
+        self.update = torch.compile(update, backend=backend, dynamic=False) if backend else update
 
     @torch.no_grad()
     def step(self) -> None:
-        self.t += 1
-        b1, b2 = BETAS
-        bc1, bc2_sqrt = 1 - b1**self.t, math.sqrt(1 - b2**self.t)
-        self.update(self.params, self.exp_avg, self.exp_avg_sq, self.lr, self.decay, bc1, bc2_sqrt)
+        self.update(self.params, self.exp_avg, self.exp_avg_sq, self.lr, self.decay, self.t)
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
 
 
-def update(params, exp_avgs, exp_avg_sqs, lrs, decays, bc1: float, bc2_sqrt: float) -> None:
+def update(params, exp_avgs, exp_avg_sqs, lrs, decays, t: torch.Tensor) -> None:
     """One AdamW update of every stacked parameter (a function, so torch.compile can fuse
-    it into a few kernels)."""
+    it into a few kernels); `t` is the step count, advanced here."""
     b1, b2 = BETAS
+    t.add_(1)
+    bc1 = 1 - b1**t
+    bc2_sqrt = (1 - b2**t).sqrt()
     for p, m, v, lr, decay in zip(params, exp_avgs, exp_avg_sqs, lrs, decays, strict=True):
         g = p.grad
         p.mul_(decay)
@@ -185,9 +199,10 @@ def train_stacked(
     k, steps, batch = len(members), cfg0.steps, cfg0.batch_size
 
     # Distinct data once on the device, concatenated; each member reads at its offsets.
+    # Members reseeded from one prepared fold (`reseeded`) share its arrays: one copy.
     datas: list[TrainingData] = []
     for m in members:
-        if not any(m.data is d for d in datas):
+        if not any(m.data.windows is d.windows for d in datas):
             datas.append(m.data)
     feats, index, mask, labels, window_offset = [], [], [], [], {}
     rows = windows = 0
@@ -196,14 +211,15 @@ def train_stacked(
         index.append(d.windows.index + rows)  # the data's own padding row moves with it
         mask.append(d.windows.mask)
         labels.append(d.labels)
-        window_offset[id(d)] = windows
+        window_offset[id(d.windows)] = windows
         rows += len(d.features)
         windows += len(d.windows)
     feats_t = torch.from_numpy(np.concatenate(feats)).to(device)  # [rows, F]
     index_t = torch.from_numpy(np.concatenate(index)).to(device)  # [N, T]
     mask_t = torch.from_numpy(np.concatenate(mask)).to(device)  # [N, T]
     labels_t = torch.from_numpy(np.concatenate(labels)).to(device)  # [N, L]
-    order = np.stack([m.data.order + window_offset[id(m.data)] for m in members])  # [K, S, B]
+    # [K, steps, B]: each member's own batch order, at its data's offset
+    order = np.stack([m.data.order + window_offset[id(m.data.windows)] for m in members])
     order_t = torch.from_numpy(order).to(device)
 
     rng_devices = [device.index or 0] if device.type == "cuda" else []
@@ -225,17 +241,22 @@ def train_stacked(
         )
         loss_fn = stacked_loss_fn(members[0].data.model_config, stack.bf16, device.type)
         if stack.compile:
-            loss_fn = torch.compile(loss_fn, backend=stack.compile_backend)
+            # static shapes: each K is its own graph (a second K would otherwise make
+            # Dynamo compile a dynamic-shape graph for every K after it)
+            loss_fn = torch.compile(loss_fn, backend=stack.compile_backend, dynamic=False)
         losses = torch.zeros(steps, k, device=device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         start = time.perf_counter()
         steady = start
+        sampler = measure.UtilSampler(device if stack.sample_gpu else torch.device("cpu"))
+        sampling = contextlib.ExitStack()
         for step in range(steps):
             if step == stack.warmup_steps:
                 sync()
                 steady = time.perf_counter()
+                sampling.enter_context(sampler)
             b = order_t[:, step]  # [K, B]
             loss = loss_fn(params, feats_t[index_t[b]], mask_t[b], labels_t[b])  # [K]
             optimizer.zero_grad()
@@ -244,6 +265,7 @@ def train_stacked(
             losses[step] = loss.detach()
         curves = losses.cpu().numpy().astype(np.float64)  # the one host sync
         end = time.perf_counter()
+        sampling.close()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     duration = end - start
     steady_steps = steps - min(stack.warmup_steps, steps)
@@ -252,7 +274,7 @@ def train_stacked(
         k=k, duration_s=duration, warmup_s=steady - start,
         step_ms=steady_s / max(steady_steps, 1) * 1e3,
         samples_per_s=k * batch * max(steady_steps, 1) / steady_s if steady_s > 0 else math.inf,
-        peak_mem_gb=peak,
+        peak_mem_gb=peak, gpu_util=sampler.mean,
     )  # fmt: skip
     results = []
     for i, (m, model) in enumerate(zip(members, models, strict=True)):
@@ -273,7 +295,7 @@ def train_stacked(
                 rungs=("stacked", *(("compile",) if stack.compile else ()),
                        *(("bf16",) if stack.bf16 else ())),
                 steady_samples_per_s=timing.samples_per_s / k, step_ms=timing.step_ms,
-                warmup_s=timing.warmup_s, peak_mem_gb=peak,
+                warmup_s=timing.warmup_s, peak_mem_gb=peak, gpu_util=timing.gpu_util,
             )
         )  # fmt: skip
     return results, timing
