@@ -300,3 +300,18 @@ def apply(
                 enforce_parameter_schema=True,
             )
     return ids
+
+
+def asks_for_cuda(d: Deployment) -> bool:
+    """Whether the deployment's parameters ask for a CUDA device (train/gpu's
+    `config.device: cuda`): its runs need a worker that has one."""
+
+    def found(value: Any) -> bool:
+        if isinstance(value, dict):
+            return any(
+                (k == "device" and isinstance(v, str) and v.startswith("cuda")) or found(v)
+                for k, v in value.items()
+            )
+        return isinstance(value, list) and any(found(v) for v in value)
+
+    return found(d.parameters)

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
@@ -28,6 +29,7 @@ from quantloop.blocks import MlflowTracking, Site
 from quantloop.deploy import (
     REPO_ROOT,
     apply,
+    asks_for_cuda,
     ensure_pool,
     for_stack,
     read_deployments,
@@ -310,3 +312,19 @@ def test_a_queued_research_run_starts_before_queued_retrains(prefect_server, tmp
     assert all(research_run.start_time < r.start_time for r in retrains), (
         research_run.start_time, [r.start_time for r in retrains])  # fmt: skip
     assert retrains[0].created < research_run.created  # it waited longer, and still went later
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a worker without CUDA does")
+def test_train_gpu_on_a_worker_without_cuda_fails_at_once_naming_the_device(tmp_path):
+    """train/gpu asks for device cuda: on a worker without CUDA its first device lookup
+    fails in one line naming the parameter (torch failed later, in the training loop, with
+    "AssertionError: Torch not compiled with CUDA enabled"); serve says so at start."""
+    from quantloop.flows.train import plan_for
+    from quantloop.tasks.research.train_config import TrainConfig
+
+    asking = {d.full_name: d for d in read_deployments(PREFECT_YAML) if asks_for_cuda(d)}
+    assert list(asking) == ["train/gpu"]
+    gpu = asking["train/gpu"]
+    stage = StageParams(workspace=Workspace(home=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"^config\.device is 'cuda' but this worker has no CUDA"):
+        plan_for(stage, TrainConfig(**gpu.parameters["config"]))

@@ -31,8 +31,18 @@ INPUT_CLIP = 10.0  # standardized inputs are clipped to +-10 std: one wild event
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device `name` (TrainConfig.device) means on the machine that trains: checked
+    here, not in the config, which is also read where training does not run (the UI's
+    form, a CPU flow process that trains on a GPU site's worker)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        # torch would fail later with "AssertionError: Torch not compiled with CUDA enabled"
+        raise ValueError(
+            f"config.device is {name!r} but this worker has no CUDA "
+            "(torch.cuda.is_available() is False): run it on a CUDA worker's pool, or with "
+            "device auto or cpu"
+        )
     return torch.device(name)
 
 
