@@ -66,7 +66,7 @@ def feature_shard(
     connect: SiteClient,
     shard: int,
     records: RunRecords,
-    verify_hits: bool = False,
+    verify_hits: bool = True,
 ) -> RunSummary:
     # Progress the researcher sees in the Prefect UI; each update is an API call that
     # costs the server CPU, so a shard sends one every few seconds. The artifact is
@@ -131,7 +131,7 @@ def features(
     stage: StageParams = StageParams(),
     shard_size: int = 50_000,
     parent_run_id: str | None = None,
-    verify_hits: bool = False,
+    verify_hits: bool = True,
 ) -> RunSummary:
     """Compute, or find in the cache, the feature node of every selected partition.
 
@@ -146,9 +146,10 @@ def features(
             shard, never one per node.
         parent_run_id: An MLflow run to record under as a child run "features"; empty:
             nothing is recorded.
-        verify_hits: Re-hash every cached output before counting it a hit (an auditor's
-            setting: it reads every output); a damaged one is recomputed, reason
-            "corrupt" or "missing".
+        verify_hits: Read every cached output and check its length and sha256 before
+            counting it a hit (on by default; bench/cache_check.py measures the cost); a
+            damaged one is recomputed, reason "corrupt" or "missing". Off: a hit is
+            trusted unread.
     """
     t0 = time.perf_counter()
     logger = get_run_logger()

@@ -134,10 +134,11 @@ class ResearchParams(BaseModel):
         "per shard, never one per node.",
     )
     verify_hits: bool = Field(
-        default=False,
+        default=True,
         title="Verify cached outputs",
-        description="Re-hash every cached feature output before using it (for audits: reads "
-        "every output, which a cache hit otherwise never does); a damaged one is recomputed.",
+        description="Read every cached feature output and check its length and sha256 before "
+        "counting it a hit; a damaged one is recomputed. Off: a hit is trusted unread until "
+        "something reads it (saves reading every output: see bench/cache_check.py).",
     )
 
     @classmethod

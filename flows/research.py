@@ -248,7 +248,8 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 feats = features_flow(stage, shard_size=params.shard_size,
                                       parent_run_id=parent.run_id,
                                       verify_hits=params.verify_hits)  # fmt: skip
-            healed = 0
+            # damaged outputs the features stage found by checking its hits, recomputed
+            healed = sum(feats.reasons.get(r, 0) for r in ("corrupt", "missing"))
             for attempt in (1, 2):
                 try:
                     feedback.start("train", f"{params.train.steps:,} steps")
@@ -265,7 +266,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                     # the features stage recomputes exactly them (reason corrupt/missing).
                     if attempt == 2:
                         raise
-                    healed = len(exc.damaged)
+                    healed += len(exc.damaged)
                     logger.warning("%s", exc)
                     feedback.start("features", f"recomputing {healed:,} damaged outputs")
                     feats = features_flow(stage, shard_size=params.shard_size,

@@ -94,3 +94,65 @@ def test_verify_finds_and_drops_damaged_outputs(prefect_api, tmp_path):
     assert found["outputs_checked"] == 3 and list(found["outputs_damaged"].values()) == ["corrupt"]
     out = runner.invoke(app, ["verify", "--home", ws.home])
     assert out.exit_code == 0 and "2 of 2 outputs checked, 0 damaged" in out.output
+
+
+def flip_16_bytes(row: dict) -> None:
+    path = Path(row["output_url"])
+    data = bytearray(path.read_bytes())
+    middle = row["output_offset"] + row["output_length"] // 2
+    for i in range(middle, middle + 16):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_output_is_checked_and_recomputed_never_counted_a_hit(tmp_path):
+    """By default a hit's stored bytes are read and re-hashed before it counts: 16
+    flipped bytes in one output make it a recomputed node (reason corrupt), not a hit,
+    though nothing downstream reads it (issue 21: "2 cache hits, 0 computed")."""
+    from quantloop.tasks.data.landing import business_days, land_synthetic
+    from quantloop.tasks.data.synthetic import SyntheticConfig
+    from quantloop.tasks.engine import plan_nodes, run_nodes, sha256_json
+    from quantloop.tasks.research.features import FeatureParams
+    from quantloop.tasks.research.planning import feature_kind
+
+    ws = Workspace(home=str(tmp_path / "home"))
+    root, catalog = ws.resolve_site().root, ws.catalog()
+    land_synthetic(catalog, root, ["SYNA"], business_days(dt.date(2026, 3, 2), 3),
+                   SyntheticConfig(events_per_day=500, levels=1))  # fmt: skip
+    params = FeatureParams().canonical()
+    digest = sha256_json(params)
+    kind, store = feature_kind(), NodeStore(root)
+    plan = plan_nodes(kind, catalog.table("synthetic"), {"SYNA": digest})
+    assert run_nodes(kind, {digest: params}, plan, store).computed == 3
+    damaged = outputs(tmp_path / "home")[1]
+    flip_16_bytes(damaged)
+    again = run_nodes(kind, {digest: params}, plan, store)
+    assert (again.cache_hits, again.computed) == (2, 1)
+    rows = {r["key"]: r for r in again.manifest.to_pylist()}
+    assert (rows[damaged["key"]]["cache_hit"], rows[damaged["key"]]["reason"]) == (False, "corrupt")
+    # healed: the recomputed output has its digest again, and the next run hits all three
+    assert run_nodes(kind, {digest: params}, plan, store).cache_hits == 3
+    # A truncated pack (the size check) is caught the same way, as is a gone one.
+    Path(damaged["output_url"]).unlink()
+    gone = run_nodes(kind, {digest: params}, plan, store)
+    assert gone.computed >= 1 and set(gone.summary().reasons) == {"missing"}
+    # Switched off, a hit is trusted without reading it: the damage is found only when
+    # something reads the output (or by `quantloop verify`).
+    flip_16_bytes(gone.manifest.to_pylist()[0])
+    trusted = run_nodes(kind, {digest: params}, plan, store, verify_hits=False)
+    assert trusted.cache_hits == 3
+
+
+@pytest.mark.slow
+def test_a_research_rerun_heals_a_damaged_output_nothing_reads(prefect_api, tmp_path):
+    """The issue's case: the same run again, so the model and the simulation are cached
+    and nothing reads the features; a damaged one is still found, recomputed and
+    reported as healed."""
+    home = tmp_path / "home"
+    first = run(home)
+    assert first.computed == 3
+    flip_16_bytes(outputs(home)[0])
+    again = run(home)
+    assert (again.cache_hits, again.computed) == (2, 1)
+    assert again.recomputed == {"corrupt": 1} and again.healed_outputs == 1
+    assert again.model_cached  # the recomputed output has the same digest

@@ -57,7 +57,7 @@ def run_nodes(
     site: str = "local",
     progress: Callable[[int, int], None] | None = None,
     priority: int = 0,
-    verify_hits: bool = False,
+    verify_hits: bool = True,
 ) -> RunResult:
     """Run the nodes of a plan (NODES_SCHEMA) that are not cached; returns the manifest
     of all of them.
@@ -73,10 +73,14 @@ def run_nodes(
       side by side (a flow's shards) given falling priorities end one after the other,
       each next one filling the last one's tail, instead of sharing the workers evenly
       and ending together.
-    verify_hits: re-hash every hit's stored output first (an auditor's setting; it
-      reads every output, which a hit otherwise never does); a hit whose bytes fail
-      their digest or are gone is dropped from the index and recomputed, its reason
-      "corrupt" or "missing".
+    verify_hits: before a hit counts, read its stored bytes (each pack file once) and
+      check their length and sha256 against the index row; a hit whose bytes fail or
+      are gone is dropped from the index and recomputed, its reason "corrupt" or
+      "missing": a damaged output is never counted a hit. On by default (bench/
+      cache_check.py: ~1 ms per MB of output here; the default research run's 12 hits
+      add tens of ms); off, a hit is trusted unread until something reads it (which
+      checks it) or `quantloop verify` does, which the 10^5-10^6-node scale benches
+      measure both ways (docs/scale.md).
     """
     t0 = time.perf_counter()
     total = plan.num_rows

@@ -35,7 +35,8 @@ class ResearchSummary(BaseModel):
     )
     healed_outputs: int = Field(
         default=0,
-        description="Damaged stored outputs found while reading and recomputed in this run.",
+        description="Damaged stored outputs recomputed in this run: found by the check of "
+        "every cache hit (verify_hits) or when read.",
     )
     markout_bps: dict[str, Bps] = Field(description="Model mark-out by horizon, all products.")
     baseline_markout_bps: dict[str, Bps]
