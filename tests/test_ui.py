@@ -349,3 +349,62 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypat
         assert record.info.status == "FINISHED" and record.data.params["train.steps"] == "10"
         second_start = again.output()
     print(first_start, f"stopped in {stop_s:.1f} s", second_start, sep="\n")
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_the_mlflow_ui_refuses_the_researcher_an_alias_on_the_guarded_model(tmp_path, monkeypatch):
+    """On MLflow set up as `quantloop serve` sets it up (its ini, identities.setup), the
+    researcher opens a version of the guarded model in the UI, adds `champion` and saves:
+    the server answers 403, the dialog shows an error, and the API reads no alias."""
+    from mlflow.tracking import MlflowClient
+    from playwright.sync_api import expect, sync_playwright
+
+    from quantloop import identities
+    from tests.servers import mlflow_server
+
+    browser_path = chromium()
+    creds = identities.load(tmp_path / "credentials.json")
+    with mlflow_server(tmp_path, credentials=(creds.admin.username,
+                                              creds.admin.password)) as uri:  # fmt: skip
+        name = "quantloop-orderbook"
+        identities.setup(uri, creds, models=(name, f"{name}-candidates"), experiment="quantloop")
+        # a version in the guarded model, made by the admin (as promote's copy would be)
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", creds.admin.username)
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", creds.admin.password)
+        admin = MlflowClient(uri)
+        run = admin.create_run(admin.get_experiment_by_name("quantloop").experiment_id)
+        (tmp_path / "model.txt").write_text("weights")
+        admin.log_artifact(run.info.run_id, str(tmp_path / "model.txt"), "model")
+        version = admin.create_model_version(name, f"runs:/{run.info.run_id}/model",
+                                             run_id=run.info.run_id).version  # fmt: skip
+        researcher = creds.researcher
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=browser_path, args=CHROMIUM_ARGS)
+            context = browser.new_context(
+                viewport={"width": 1400, "height": 1000},
+                http_credentials={"username": researcher.username,
+                                  "password": researcher.password},
+            )  # fmt: skip
+            page = context.new_page()
+            page.set_default_timeout(60_000)
+            answers: list[int] = []
+            page.on("response", lambda r: answers.append(r.status)
+                    if "registered-models/alias" in r.url else None)  # fmt: skip
+            page.goto(f"{uri}/#/models/{name}/versions/{version}")
+            expect(page.get_by_text(f"Version {version}").first).to_be_visible()
+            page.get_by_role("button", name="Add").first.click()
+            dialog = page.get_by_role("dialog")
+            dialog.get_by_role("combobox").first.click()
+            page.keyboard.type("champion")
+            page.keyboard.press("Enter")
+            dialog.get_by_role("button", name="Save aliases").click()
+            # MLflow's UI shows the refusal in the dialog (as INTERNAL_ERROR: the 403's
+            # body is plain text) and keeps it open
+            expect(dialog.get_by_role("alert")).to_be_visible()
+            page.screenshot(path=str(tmp_path / "alias-refused.png"))
+            browser.close()
+        assert answers and set(answers) == {403}, answers
+        assert admin.get_registered_model(name).aliases == {}
+        with pytest.raises(Exception, match="champion"):
+            admin.get_model_version_by_alias(name, "champion")
