@@ -5,11 +5,12 @@ before anything slow is loaded (a bad LOBSTER folder is refused in ~2 s, not ~5)
 from __future__ import annotations
 
 import datetime as dt
+import math
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from quantloop.tasks.data.landing import business_days, read_lobster_folder
+from quantloop.tasks.data.landing import business_days, scan_lobster_folder
 from quantloop.tasks.data.schema import Partition
 from quantloop.tasks.data.synthetic import SyntheticConfig
 from quantloop.tasks.engine import sha256_json
@@ -146,6 +147,18 @@ class ResearchParams(BaseModel):
         # The run form (Prefect's UI) renders a null branch as 'Property is type "None"'.
         return without_null_branches(handler(core_schema), handler)
 
+    @field_validator("simulation")
+    @classmethod
+    def _finite_horizons(cls, sim: SimConfig) -> SimConfig:
+        # The form's `> 0` lets infinity through, and an infinite horizon gave a mark-out
+        # column "infs" of NaN at the end of a run: refused here, before any work.
+        if not all(0 < h < math.inf for h in sim.markout_horizons_s):
+            raise ValueError(
+                "simulation.markout_horizons_s must be finite numbers of seconds > 0, got "
+                f"{list(sim.markout_horizons_s)}"
+            )
+        return sim
+
     # A form from before the folds (an old resolved_params.json, a recipe, a params file)
     # has a top-level holdout_fraction: the single split it made.
     @model_validator(mode="before")
@@ -170,14 +183,17 @@ class ResearchParams(BaseModel):
         to give training windows, and the validation's folds must fit the dates. Returns
         the products. Raises ValueError (or DataValidationError, a ValueError) naming the
         file, row, column or field."""
+        days = []
         if self.data.lobster_dir is None:
             rows = {p: self.data.synthetic.events_per_day for p in self.data.products}
             dates = business_days(self.data.start_date, self.data.n_dates)
         else:
-            days = read_lobster_folder(self.data.lobster_dir)
+            # Checked streaming, no table kept: memory is a block of a file, whatever the
+            # folder's size (the data stage reads the files again to land them).
+            days = scan_lobster_folder(self.data.lobster_dir)
             rows = {}
             for day in days:
-                rows[day.product] = max(rows.get(day.product, 0), day.table.num_rows)
+                rows[day.product] = max(rows.get(day.product, 0), day.rows)
             dates = [day.date for day in days]
         product_params(self.features, self.product_features, sorted(rows))
         folds_of(dates, self.validation)  # ValueError naming validation's fields
@@ -194,13 +210,7 @@ class ResearchParams(BaseModel):
         horizon = max(self.features.label_horizons)
         short = sorted(p for p, n in rows.items() if n <= horizon)
         if short:
-            raise ValueError(
-                f"too little data to train: {', '.join(short)} "
-                f"{'has' if len(short) == 1 else 'have'} at most "
-                f"{min(rows[p] for p in short):,} events a day, but the longest label "
-                f"horizon is {horizon} events (features.label_horizons); give more events "
-                "per day (data.synthetic.events_per_day) or shorter label horizons"
-            )
+            raise ValueError(_too_little_data(short, rows, horizon, days))
         return sorted(rows)
 
     def stage(self, selection: Selection) -> StageParams:
@@ -216,3 +226,28 @@ class ResearchParams(BaseModel):
     def hash(self) -> str:
         """Digest of what decides the result (not where it is stored)."""
         return sha256_json(self.model_dump(mode="json", exclude={"workspace"}))
+
+
+def _too_little_data(short: list[str], rows: dict[str, int], horizon: int, days: list) -> str:
+    """Why a run cannot train, with the advice that fits the data: LOBSTER days name their
+    files' row counts; synthetic data names the generator's setting."""
+    what = (
+        f"too little data to train: {', '.join(short)} "
+        f"{'has' if len(short) == 1 else 'have'} at most {min(rows[p] for p in short):,} "
+        f"events a day, but the longest label horizon is {horizon} events "
+        "(features.label_horizons)"
+    )
+    if not days:
+        return (
+            f"{what}; give more events per day (data.synthetic.events_per_day) or shorter "
+            "label horizons"
+        )
+    counts = [f"{d.product}/{d.date}: {d.rows:,}" for d in sorted(
+        (d for d in days if d.product in short), key=lambda d: (d.product, d.date))]  # fmt: skip
+    shown = "; ".join(counts[:6]) + (f"; ... ({len(counts)} days)" if len(counts) > 6 else "")
+    return (
+        f"{what}; rows per LOBSTER day: {shown}. Each day is labelled on its own, so more days "
+        f"do not help: add LOBSTER files with days of more than {horizon} events for "
+        f"{', '.join(short)} (data.lobster_dir), or shorten features.label_horizons to under "
+        f"{min(rows[p] for p in short)} events"
+    )

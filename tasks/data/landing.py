@@ -12,7 +12,15 @@ import numpy as np
 
 from quantloop.tasks.data import schema, synthetic
 from quantloop.tasks.data.catalog import Catalog, Landed
-from quantloop.tasks.data.ingest import DataValidationError, LobsterDay, find_lobster, read_lobster
+from quantloop.tasks.data.ingest import (
+    DataValidationError,
+    IngestLimits,
+    LobsterDay,
+    ScannedDay,
+    find_lobster,
+    read_lobster,
+    scan_lobster,
+)
 from quantloop.tasks.data.schema import Partition
 from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
 from quantloop.tasks.engine import code_fingerprint, sha256_json
@@ -61,22 +69,36 @@ def land_synthetic(
     return landed
 
 
-def read_lobster_folder(folder: str | Path) -> list[LobsterDay]:
-    """Every LOBSTER day in a folder (or one file), read and validated.
+def read_lobster_folder(
+    folder: str | Path, *, limits: IngestLimits | None = None
+) -> list[LobsterDay]:
+    """Every LOBSTER day in a folder (or one file), read and validated, tables and all.
 
     Every file is read before anything is reported, so one error lists every bad
     file (each with its row and column), not only the first.
     """
+    return _each_file(folder, lambda f: read_lobster(f, limits=limits))
+
+
+def scan_lobster_folder(
+    folder: str | Path, *, limits: IngestLimits | None = None
+) -> list[ScannedDay]:
+    """What `read_lobster_folder` checks, keeping no table: a block of each file is all it
+    holds, whatever the size of the folder (`quantloop run`'s checks before it starts)."""
+    return _each_file(folder, lambda f: scan_lobster(f, limits=limits))
+
+
+def _each_file(folder: str | Path, read: Callable[[Path], list]) -> list:
     folder = Path(folder)
-    if not folder.exists():
+    if not folder.exists() and not folder.is_symlink():
         raise FileNotFoundError(f"LOBSTER folder {folder} does not exist")
-    files = [folder] if folder.is_file() else find_lobster(folder)
+    files = [folder] if not folder.is_dir() else find_lobster(folder)
     if not files:
         raise FileNotFoundError(f"no LOBSTER zip or message/orderbook CSV pair in {folder}")
     days, errors = [], []
     for f in files:
         try:
-            days += read_lobster(f)
+            days += read(f)
         except DataValidationError as exc:
             errors.append(str(exc))
     if len(errors) == 1:
@@ -97,6 +119,7 @@ def land_lobster(
     site: str = "local",
     progress: Callable[[int, int], None] | None = None,
     note: Callable[[str], None] | None = None,
+    limits: IngestLimits | None = None,
 ) -> list[Landed]:
     """Ingest every LOBSTER file in a folder (or one file) and land it; `progress` gets
     (landed, total), `note` each line a watcher should see (a superseded file).
@@ -105,9 +128,13 @@ def land_lobster(
     holds every message of a shallower one (the shallower only drops messages
     beyond its levels), so for each (ticker, date) the deepest file is landed and
     the others are reported as superseded.
+
+    Every file is checked (streamed, no table kept) before anything lands; then each
+    landed day is read again and landed before the next is read, so a folder costs one
+    day's table at a time, not all of them (a second pass over the files: bench/bad_input.py).
     """
-    days = read_lobster_folder(folder)
-    deepest: dict[Partition, object] = {}
+    days = scan_lobster_folder(folder, limits=limits)
+    deepest: dict[Partition, ScannedDay] = {}
     for day in days:
         part = Partition(day.product, day.date)
         if part not in deepest or day.levels > deepest[part].levels:
@@ -122,11 +149,16 @@ def land_lobster(
             log.warning(line)
             if note:
                 note(line)
+    files = find_lobster(folder) if Path(folder).is_dir() else [Path(folder)]
     landed = []
-    for i, (part, day) in enumerate(sorted(deepest.items())):
-        landed.append(
-            catalog.land(dataset, part, day.table, root=root, site=site, source=day.source)
-        )
-        if progress:
-            progress(i + 1, len(deepest))
-    return landed
+    for f in files:  # one file's days held at a time
+        for day in read_lobster(f, limits=limits):
+            part = Partition(day.product, day.date)
+            if deepest[part].source != day.source:
+                continue  # superseded, reported above
+            landed.append(
+                catalog.land(dataset, part, day.table, root=root, site=site, source=day.source)
+            )
+            if progress:
+                progress(len(landed), len(deepest))
+    return sorted(landed, key=lambda x: x.entry.partition)
