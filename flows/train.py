@@ -346,7 +346,9 @@ def _record(
         "data_digest": plan_features(stage).data_digest(),
         "features_digest": sha256_json(sorted(o.key for o in parts.values())),
         "code_digest": code_digest(),
-        "params_hash": sha256_json({
+        # not "params_hash": that is the research form's digest (the research run's tag);
+        # this one is what decides the model alone
+        "model_params_hash": sha256_json({
             "features": stage.features.canonical(), "product_features": stage.product_features,
             "train": asdict(config), "validation": validation,
         }),

@@ -127,7 +127,7 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     # The model is in the Model Registry, tagged with what made it, and the registered
     # version predicts what the trained model predicts.
     version = client.get_model_version(first.registered_model, first.model_version)
-    for tag in ("data_digest", "code_digest", "params_hash", "model_key", "model_digest"):
+    for tag in ("data_digest", "code_digest", "model_params_hash", "model_key", "model_digest"):
         assert len(version.tags[tag]) == 64, tag
     assert version.tags["model_digest"] == first.model_digest
     assert version.tags["data_digest"] == first.data_digest

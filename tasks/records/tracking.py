@@ -563,6 +563,22 @@ def _prefect_tags() -> dict[str, str]:
             "prefect_flow_run_name": flow_run.name}  # fmt: skip
 
 
+def _stage_start_ms(name: str) -> int | None:
+    """When the Prefect flow run of the stage `name` ("features", "train", "simulate")
+    started, in ms since the epoch, when this runs inside it; else None (now).
+
+    A stage records its child run at its end, once its figures exist: started then, the
+    run would last as long as its recording (1.1 s for a 31 s features stage, 17.9 s of
+    registration for a 96 s train stage); started when the stage's flow run did, and
+    ended as the recording ends, it spans the stage's own work."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow is None or ctx.flow.name != name:
+        return None
+    return int(ctx.start_time.timestamp() * 1000)
+
+
 def source_tags(prefect: Mapping[str, str] | None = None) -> dict[str, str]:
     """What the UI's Source and User columns show: the flow (or command) and commit."""
     prefect = _prefect_tags() if prefect is None else prefect
@@ -597,7 +613,10 @@ def run(
         all_tags[PARENT_TAG] = parent
     with mlflow_call():
         created = client.create_run(
-            experiment_id, run_name=run_name, tags={k: str(v) for k, v in all_tags.items()}
+            experiment_id,
+            run_name=run_name,
+            tags={k: str(v) for k, v in all_tags.items()},
+            start_time=_stage_start_ms(name) if parent else None,
         )
     log = RunLog(client, created.info.run_id, created.info.artifact_uri, background=True)
     try:
