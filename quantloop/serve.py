@@ -13,9 +13,13 @@ all under one home folder that needs no root:
                                and the other commands on this home record their runs there
 
 Every process runs in a session of its own, so Ctrl-C reaches only `serve`, which
-stops them in order (the worker first, which cancels its flow runs) and then ends
-anything they left; a watcher ends them if `serve` itself is killed (tasks/runtime/reaper.py).
-A second start finds the same database, stores and static files.
+supervises them (quantloop/supervisor.py): a service that dies is started again (a
+bounded number of times, each said); a stop ends the worker first, marks the runs it was
+running Cancelled in Prefect and KILLED in MLflow (quantloop/orphans.py), then the
+servers, each with its whole process tree. A watcher ends them if `serve` itself is
+killed (tasks/runtime/reaper.py), and the next start ends what is left of such a stack
+and closes its runs. Ports are checked before anything starts. A second start finds
+the same database, stores and static files.
 
 The servers are locked: Prefect with an API auth string (its clients, the worker and
 this process send it; its UI asks for it once and keeps it), MLflow behind its
@@ -27,7 +31,6 @@ the server (artifacts as mlflow-artifacts:/ URIs another host can load), researc
 retrain and backtest as the researcher, promote as the promoter, so only the promote
 flow can change the guarded registered model that carries `champion`. `--no-auth`
 serves without it (runs then record to the workspace's store directly).
-
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -53,13 +55,29 @@ from quantloop.deploy import (
     PREFECT_YAML,
     REPO_ROOT,
     apply,
+    asks_for_cuda,
     for_stack,
     read_deployments,
     read_queues,
 )
 from quantloop.identities import PROMOTER, RESEARCHER, Credentials
+from quantloop.supervisor import (
+    MAX_RESTARTS,
+    RESTART_WINDOW_S,
+    Service,
+    check_ports,
+    describe,
+    end_processes,
+    leftovers,
+    live_stack_on,
+    stack_tag,
+    tagged,
+    tail,
+    wait_ready,
+)
 
 WORKER_NAME = "quantloop-serve"
+WORKER_SERVICE = "prefect worker"  # its Service's name
 
 
 # auth_cache_ttl_seconds: MLflow checks the password hash (scrypt, ~0.1 s of CPU here) on
@@ -143,66 +161,6 @@ class StackConfig:
         return {"home": str(self.home), "tracking": block}
 
 
-@dataclasses.dataclass
-class Service:
-    """One process of the stack, in a session of its own, logging to a file."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
-    proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
-
-    def check(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(
-                f"{self.name} exited with {self.proc.returncode}; its log: {self.log}\n"
-                + tail(self.log)
-            )
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM to the process (Prefect's CLI passes it on to its own child as SIGINT;
-        signalling the whole group made the worker wait out the timeout), SIGKILL to its
-        process group after `timeout`, then whatever of its descendants is left (a flow
-        run's Dask workers, say)."""
-        if self.proc is None:
-            return
-        try:
-            family = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            family = []
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=timeout)
-        alive = [p for p in family if p.is_running()]
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _, still = psutil.wait_procs(alive, timeout=5)
-        for p in still:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-
-
-def tail(path: Path, lines: int = 30) -> str:
-    if not path.exists():
-        return f"({path} missing)"
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
 def prefect_env(home: Path, **settings: str) -> dict[str, str]:
     """This environment without its PREFECT_* settings, plus `settings`: a process of the
     stack reads no profile or API URL of the user's, only the stack's."""
@@ -268,7 +226,7 @@ def worker_service(cfg: StackConfig) -> Service:
     )
     argv = [sys.executable, "-m", "prefect", "worker", "start",
             "--pool", cfg.pool, "--type", "process", "--name", WORKER_NAME]  # fmt: skip
-    return Service("prefect worker", argv, env, cfg.logs / "prefect-worker.log")
+    return Service(WORKER_SERVICE, argv, env, cfg.logs / "prefect-worker.log")
 
 
 def wait_for(
@@ -353,11 +311,108 @@ def write_stack_file(cfg: StackConfig) -> None:
     os.replace(tmp, cfg.stack_file)
 
 
-def stop_all(services: list[Service], say: Callable[[str], None]) -> None:
+def stop_all(cfg: StackConfig, services: list[Service], say: Callable[[str], None]) -> None:
+    """The worker first, with the flow runs it was running; then, while the Prefect
+    server still answers, the runs it left in flight are closed (Cancelled in Prefect,
+    KILLED in MLflow); then the servers, each with its whole tree; then anything else
+    carrying this stack's tag."""
     t0 = time.monotonic()
     for s in reversed(services):
         s.stop()
-    say(f"stopped {', '.join(s.name for s in reversed(services))} in {time.monotonic() - t0:.1f} s")
+        if s.name == WORKER_SERVICE:
+            close_left_runs(cfg, say, crashed=False, message="serve stopped; it ended the run")
+    tags = {s.tag for s in services if s.tag}
+    stray = end_processes(tagged(lambda tag: tag in tags)) if tags else 0
+    say(f"stopped {', '.join(s.name for s in reversed(services))} in {time.monotonic() - t0:.1f} s"
+        + (f" ({stray} more processes of the stack ended)" if stray else ""))  # fmt: skip
+
+
+def close_left_runs(cfg: StackConfig, say: Callable[[str], None], *, crashed: bool,
+                    message: str) -> None:  # fmt: skip
+    """Close the flow runs of the stack's pool left in flight and the MLflow runs they
+    opened (quantloop/orphans.py), saying how many; a Prefect server that no longer
+    answers is said, not raised: the processes are stopped either way."""
+    from quantloop.orphans import close_runs
+
+    try:
+        flows, runs = close_runs(cfg.pool, cfg.mlflow_store, crashed=crashed, message=message)
+    except Exception as exc:  # noqa: BLE001 (stopping goes on; the next start retries)
+        say(f"could not close the runs in flight ({type(exc).__name__}: {exc}); "
+            "the next start closes them")  # fmt: skip
+        return
+    if flows or runs:
+        state = "Crashed" if crashed else "Cancelled"
+        say(f"{flows} flow runs in flight marked {state}, {runs} MLflow runs KILLED")
+
+
+def restart(cfg: StackConfig, s: Service, say: Callable[[str], None]) -> None:
+    """Start a dead service again (after ending what it left: a child holding its port,
+    the worker's flow runs, whose runs are then closed), or fail once it has died too
+    often."""
+    code = s.proc.returncode if s.proc is not None else None
+    if not s.may_restart():
+        raise RuntimeError(
+            f"{s.name} exited with {code}, {len(s.restarts)} times within "
+            f"{RESTART_WINDOW_S / 60:.0f} min; not restarting it again; its log: {s.log}\n"
+            + tail(s.log)
+        )
+    window = f"{RESTART_WINDOW_S / 60:.0f} min"
+    say(f"{s.name} exited with {code}; restarting it (restart {len(s.restarts)} of "
+        f"{MAX_RESTARTS} allowed within {window}; its log: {s.log})")  # fmt: skip
+    s.stop()
+    if s.name == WORKER_SERVICE:
+        close_left_runs(cfg, say, crashed=False, message="its worker died; serve ended the run")
+    s.start()
+    took = wait_ready(s, timeout=300)
+    protect_stores(cfg)
+    say(f"{s.name} restarted, ready in {took:.1f} s")
+
+
+def supervise(cfg: StackConfig, services: list[Service], say: Callable[[str], None]) -> None:
+    """One look at the stack: record each service's processes, restart a dead one."""
+    for s in services:
+        if s.alive():
+            s.remember()
+        else:
+            restart(cfg, s, say)
+
+
+def say_cuda_needs(specs: list, say: Callable[[str], None]) -> None:
+    """serve's one worker runs every deployment on this machine, so one that asks for CUDA
+    (train/gpu) fails each run at once where torch finds none (its error says so). It is
+    deployed all the same, prefect.yaml staying the one list: a custom run with
+    config.device auto or cpu trains on the CPU. Said once at start."""
+    if needs := [d.full_name for d in specs if asks_for_cuda(d)]:
+        import torch
+
+        if not torch.cuda.is_available():
+            say(f"note: {', '.join(needs)} asks for device cuda and this machine has no CUDA: "
+                "its runs fail at once; give it config.device auto or cpu in a custom run, "
+                "or run it on a CUDA worker's pool")  # fmt: skip
+
+
+def protect_stores(cfg: StackConfig) -> None:
+    """The stack's state folder 700, its databases 600 (MLflow's auth database holds
+    password hashes; its store, every run's parameters). The servers create theirs with
+    umask 077; this covers files made before (an embedded `quantloop run` on this home)."""
+    cfg.state.mkdir(parents=True, exist_ok=True)
+    cfg.state.chmod(0o700)
+    for db in (cfg.home / "mlflow.db", cfg.state / "mlflow-auth.db"):
+        with contextlib.suppress(FileNotFoundError):
+            db.chmod(0o600)
+
+
+def clear_leftovers(cfg: StackConfig, say: Callable[[str], None]) -> None:
+    """Before anything starts: refuse a second stack on this home; end what an earlier
+    one killed with kill -9 left (a server child holding a port, a flow run); then check
+    that the ports are free (one line naming the port and its holder)."""
+    if (pid := live_stack_on(cfg.home)) is not None:
+        raise RuntimeError(f"quantloop serve (pid {pid}) already runs on {cfg.home}")
+    if left := leftovers(cfg.home):
+        names = sorted({describe(p) for p in left})
+        ended = end_processes(left)
+        say(f"ended {ended} processes an earlier stack on this home left: {'; '.join(names)}")
+    check_ports(cfg.host, {"--prefect-port": cfg.prefect_port, "--mlflow-port": cfg.mlflow_port})
 
 
 def register_blocks() -> None:
@@ -398,17 +453,29 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
     from quantloop.tasks.runtime.reaper import reap_on_death
 
     cfg.logs.mkdir(parents=True, exist_ok=True)
+    protect_stores(cfg)
+    clear_leftovers(cfg, say)
     creds = cfg.credentials()
     prefect_auth = creds.prefect_auth_string if creds else None
     client_auth = {PREFECT_API_AUTH_STRING: prefect_auth} if creds else {}
     first = not (cfg.state / "prefect" / "ui").exists()
     prefect, mlflow = prefect_service(cfg), mlflow_service(cfg)
     services = [prefect, mlflow]
+    # Every process below a service carries the tag (a stray one is found by it); the
+    # servers' files are their owner's only (MLflow's auth database holds password hashes).
+    tag = stack_tag(cfg.home)
+    for s in services:
+        s.tag, s.umask = tag, 0o077
+    prefect.ready = lambda: (get(cfg.api_url + "/health", prefect_auth) == b"true"
+                             and ui_serves_the_app(cfg))  # fmt: skip
+    mlflow.ready = lambda: get(cfg.mlflow_url + "/health") == b"OK"
     timings: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(reap_on_death())
-        # Stopped in reverse: the worker first (it cancels its flow runs), then servers.
-        stack.callback(stop_all, services, say)
+        # The stack's API for this process's clients until everything is stopped.
+        stack.enter_context(temporary_settings({PREFECT_API_URL: cfg.api_url, **client_auth}))
+        # Stopped in reverse: the worker first, its runs closed, then the servers.
+        stack.callback(stop_all, cfg, services, say)
         t0 = time.monotonic()
         for s in services:
             s.start()
@@ -425,8 +492,13 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
                 timeout=300,
             )
         )
+        protect_stores(cfg)
         write_stack_file(cfg)
         stack.callback(cfg.stack_file.unlink, missing_ok=True)
+        # Runs an earlier stack on this home left in flight (killed with kill -9): no
+        # process of theirs is left (clear_leftovers), and no worker of ours runs yet.
+        close_left_runs(cfg, say, crashed=True,
+                        message="its process was gone when serve started again")  # fmt: skip
         t1 = time.monotonic()
         with temporary_settings({PREFECT_API_URL: cfg.api_url, **client_auth}):
             register_blocks()
@@ -446,7 +518,10 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
             ids = apply(specs, replace=True, root=cfg.checkout,
                         queues=read_queues(cfg.prefect_file))  # fmt: skip
             timings["deploy_s"] = time.monotonic() - t1
+            say_cuda_needs(specs, say)
             worker = worker_service(cfg)
+            worker.tag = tag
+            worker.ready = lambda: worker_online(cfg, worker.started)
             services.append(worker)
             since = datetime.datetime.now(datetime.UTC)
             worker.start()
@@ -487,8 +562,7 @@ def serve_forever(cfg: StackConfig, say: Callable[[str], None] = print) -> None:
                 f"{t['deploy_s']:.1f} s, worker {t['worker_s']:.1f} s); Ctrl-C stops it all"
             )
             while True:
-                for s in stack.services:
-                    s.check()
+                supervise(cfg, stack.services, say)
                 time.sleep(1.0)
     except KeyboardInterrupt:
         pass

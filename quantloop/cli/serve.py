@@ -36,6 +36,7 @@ def serve(
     """Run the local stack: Prefect server and UI, MLflow, a worker with the deployments."""
     from quantloop.deploy import PREFECT_YAML, DeploymentConflict
     from quantloop.serve import StackConfig, serve_forever
+    from quantloop.supervisor import PortInUse
 
     cfg = StackConfig(
         home=home.resolve(), host=host, prefect_port=prefect_port, mlflow_port=mlflow_port,
@@ -43,5 +44,7 @@ def serve(
     )  # fmt: skip
     try:
         serve_forever(cfg, say=lambda line: console.print(line, highlight=False, soft_wrap=True))
+    except PortInUse as exc:  # nothing started: the line says which port and who holds it
+        fail(str(exc), code=1)
     except (RuntimeError, TimeoutError, DeploymentConflict, OSError) as exc:
         fail(f"{type(exc).__name__}: {exc}", code=1)
