@@ -68,8 +68,16 @@ from quantloop.tasks.research.training import predict, prepare, train_plain  # n
 
 LRS = (3e-4, 1e-4, 1e-3, 5e-4)  # the sweep's grid: lr fastest, then weight decay
 WDS = (1e-4, 0.0)
-TINY = dict(window=16, window_s=None, batch_size=32, d_model=16, n_layers=1, n_heads=2,
-            ff_mult=2, num_threads=1)  # fmt: skip
+TINY = dict(
+    window=16,
+    window_s=None,
+    batch_size=32,
+    d_model=16,
+    n_layers=1,
+    n_heads=2,
+    ff_mult=2,
+    num_threads=1,
+)
 
 
 def setup(args):
@@ -77,8 +85,9 @@ def setup(args):
     if args.tiny:
         params["data"]["synthetic"]["events_per_day"] = 4000
     tables, fs, cfg = research_days(params)
-    cfg = dataclasses.replace(cfg, steps=args.steps, log_every=max(1, args.steps // 20),
-                              **(TINY if args.tiny else {}))  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg, steps=args.steps, log_every=max(1, args.steps // 20), **(TINY if args.tiny else {})
+    )
     synth = SyntheticConfig(**params["data"]["synthetic"])
     held_day = business_days(dt.date(2026, 3, 2), params["data"]["n_dates"])[-1]
     held_out = compute_features(generate_day("SYNA", held_day, synth), FeatureParams())
@@ -120,8 +129,17 @@ def solo_worker(args) -> None:
         time.sleep(0.01)
     t0 = time.time()
     r = train_prepared(data, cfg, plan)
-    print(json.dumps({"steady_samples_per_s": r.steady_samples_per_s, "step_ms": r.step_ms,
-                      "warmup_s": r.warmup_s, "start": t0, "end": time.time()}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "steady_samples_per_s": r.steady_samples_per_s,
+                "step_ms": r.step_ms,
+                "warmup_s": r.warmup_s,
+                "start": t0,
+                "end": time.time(),
+            }
+        )
+    )
 
 
 def warmup_probe(args) -> None:
@@ -138,8 +156,18 @@ def warmup_probe(args) -> None:
 
 
 def run_in_process(args, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    argv = [sys.executable, __file__, "--params", args.params, "--steps", str(args.steps),
-            "--out", args.out, *(["--tiny"] if args.tiny else []), *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        __file__,
+        "--params",
+        args.params,
+        "--steps",
+        str(args.steps),
+        "--out",
+        args.out,
+        *(["--tiny"] if args.tiny else []),
+        *extra,
+    ]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env or os.environ)
 
 
@@ -157,18 +185,26 @@ def k_processes(args, k: int) -> dict:
         procs = []
         for i in range(k):
             ready = Path(tmp) / f"ready-{i}"
-            procs.append((ready, run_in_process(args, "--worker", "--seed", str(i),
-                                                "--ready", str(ready), "--go", str(go))))  # fmt: skip
+            procs.append(
+                (
+                    ready,
+                    run_in_process(
+                        args, "--worker", "--seed", str(i), "--ready", str(ready), "--go", str(go)
+                    ),
+                )
+            )
         while not all(r.exists() or p.poll() is not None for r, p in procs):
             time.sleep(0.05)
         go.touch()
         got = [last_json(p, 1800) for _, p in procs]
     wall = max(g["end"] for g in got) - min(g["start"] for g in got)
     return {
-        "k": k, "samples_per_s": sum(g["steady_samples_per_s"] or 0 for g in got),
+        "k": k,
+        "samples_per_s": sum(g["steady_samples_per_s"] or 0 for g in got),
         "step_ms_mean": float(np.mean([g["step_ms"] for g in got])),
-        "warmup_s_max": max(g["warmup_s"] or 0 for g in got), "wall_s": wall,
-    }  # fmt: skip
+        "warmup_s_max": max(g["warmup_s"] or 0 for g in got),
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -199,9 +235,18 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = prepare(tables, fs.inputs, fs.labels, cfg)
     stack = stack_config(device, args.steps)
-    result: dict = {"params": args.params, "steps": args.steps, "batch_size": cfg.batch_size,
-                    "stack": dataclasses.asdict(stack), "windows": len(data.windows),
-                    "stacked": [], "procs": [], "solo": None, "check": None, "warmup": None}  # fmt: skip
+    result: dict = {
+        "params": args.params,
+        "steps": args.steps,
+        "batch_size": cfg.batch_size,
+        "stack": dataclasses.asdict(stack),
+        "windows": len(data.windows),
+        "stacked": [],
+        "procs": [],
+        "solo": None,
+        "check": None,
+        "warmup": None,
+    }
     out = Path(args.out)
 
     def save() -> None:
@@ -223,9 +268,14 @@ def main() -> None:
     if "solo" in parts:
         plan = plan_rungs(RUNGS, device, head_dim=cfg.head_dim)
         r = train_prepared(reseeded(data, cfg), cfg, plan)
-        result["solo"] = {"rungs": list(plan.rungs), "steady_samples_per_s": r.steady_samples_per_s,
-                          "step_ms": r.step_ms, "warmup_s": r.warmup_s, "gpu_util": r.gpu_util,
-                          "peak_mem_gb": r.peak_mem_gb}  # fmt: skip
+        result["solo"] = {
+            "rungs": list(plan.rungs),
+            "steady_samples_per_s": r.steady_samples_per_s,
+            "step_ms": r.step_ms,
+            "warmup_s": r.warmup_s,
+            "gpu_util": r.gpu_util,
+            "peak_mem_gb": r.peak_mem_gb,
+        }
         print("solo", result["solo"], flush=True)
         save()
     for k in [int(x) for x in args.procs.split(",") if x] if "procs" in parts else []:
@@ -245,35 +295,63 @@ def main() -> None:
             probe = ("--probe", "--probe-k", str(args.probe_k))
             cold = last_json(run_in_process(args, *probe, env=env), 1800)
             warm = last_json(run_in_process(args, *probe, env=env), 1800)
-        result["warmup"] = {"k": args.probe_k, "cold_s": cold["warmup_s"], "warm_s": warm["warmup_s"]}
+        result["warmup"] = {
+            "k": args.probe_k,
+            "cold_s": cold["warmup_s"],
+            "warm_s": warm["warmup_s"],
+        }
         save()
     print(report(result))
 
 
 def check(data, cfg, k: int, stack: StackConfig, tables, held_out) -> dict:
-    """Every member of a K stack against its solo plain fp32 run."""
+    """Every member of a K stack against the same model trained alone: with the same
+    rungs (a stack of one: the comparison that isolates stacking), and in the plain fp32
+    loop (the ladder's baseline). The control: the model alone with the stack's rungs
+    against the plain loop, i.e. what the rungs' precision alone moves."""
     tolerance = BF16 if stack.bf16 else FP32
     members = [Member(data=reseeded(data, c), config=c) for c in settings(cfg, k)]
     stacked, _ = train_stacked(members, stack)
     rows = []
-    for m, together in zip(members, stacked, strict=True):
-        alone = train_plain(m.data, m.config)
-        a, b = trading(alone, tables, held_out), trading(together, tables, held_out)
-        figures = {
-            "seed": m.config.seed, "lr": m.config.lr, "weight_decay": m.config.weight_decay,
-            "loss_max_rel_dev": max_rel_dev(together.loss_curve, alone.loss_curve),
-            "pred_rel_l2": rel_l2(b["pred"], a["pred"]),
-            "markout_delta_bps": markout_delta(b["markout"], a["markout"]),
-        }  # fmt: skip
-        figures["equivalent"] = (
-            figures["loss_max_rel_dev"] <= tolerance.loss_rel
-            and figures["pred_rel_l2"] <= tolerance.pred_rel_l2
-            and figures["markout_delta_bps"] <= tolerance.markout_bps
+
+    def figures(x, y, tx, ty) -> dict:
+        return {
+            "loss_max_rel_dev": max_rel_dev(x.loss_curve, y.loss_curve),
+            "pred_rel_l2": rel_l2(tx["pred"], ty["pred"]),
+            "markout_delta_bps": markout_delta(tx["markout"], ty["markout"]),
+        }
+
+    def within(f: dict) -> bool:
+        return (
+            f["loss_max_rel_dev"] <= tolerance.loss_rel
+            and f["pred_rel_l2"] <= tolerance.pred_rel_l2
+            and f["markout_delta_bps"] <= tolerance.markout_bps
         )
-        rows.append(figures)
-        print("check", figures, flush=True)
-    return {"k": k, "tolerance": dataclasses.asdict(tolerance), "members": rows,
-            "equivalent": sum(r["equivalent"] for r in rows)}  # fmt: skip
+
+    for m, together in zip(members, stacked, strict=True):
+        (alone_rungs,), _ = train_stacked([m], stack)
+        plain = train_plain(m.data, m.config)
+        t_together, t_rungs, t_plain = (
+            trading(r, tables, held_out) for r in (together, alone_rungs, plain)
+        )
+        row = {
+            "seed": m.config.seed,
+            "lr": m.config.lr,
+            "weight_decay": m.config.weight_decay,
+            "vs_alone": figures(together, alone_rungs, t_together, t_rungs),
+            "vs_plain": figures(together, plain, t_together, t_plain),
+            "control": figures(alone_rungs, plain, t_rungs, t_plain),
+        }
+        for key in ("vs_alone", "vs_plain", "control"):
+            row[key]["within"] = within(row[key])
+        rows.append(row)
+        print("check", row, flush=True)
+    return {
+        "k": k,
+        "tolerance": dataclasses.asdict(tolerance),
+        "members": rows,
+        "equivalent": sum(r["vs_alone"]["within"] for r in rows),
+    }
 
 
 def fmt(x, spec=",.0f") -> str:
@@ -281,9 +359,15 @@ def fmt(x, spec=",.0f") -> str:
 
 
 def report(r: dict) -> str:
-    lines = ["# Sweeps: K models trained as one stack", "", stamp_line(r) if "machine" in r else "",
-             "", f"Research shape ({r['params']}), {r['steps']} steps, batch {r['batch_size']} "
-             f"per model, {r['windows']:,} training windows; stack: {r['stack']}.", ""]  # fmt: skip
+    lines = [
+        "# Sweeps: K models trained as one stack",
+        "",
+        stamp_line(r) if "machine" in r else "",
+        "",
+        f"Research shape ({r['params']}), {r['steps']} steps, batch {r['batch_size']} "
+        f"per model, {r['windows']:,} training windows; stack: {r['stack']}.",
+        "",
+    ]
     solo = (r.get("solo") or {}).get("steady_samples_per_s")
     procs = {p["k"]: p for p in r["procs"]}
     rows = []
@@ -293,36 +377,91 @@ def report(r: dict) -> str:
             rows.append((k, s["error"], "", "", "", "", "", ""))
             continue
         p = procs.get(k, {})
-        rows.append((
-            k, fmt(s["samples_per_s"]), fmt(s["step_ms"], ".2f"), fmt(s["peak_mem_gb"], ".2f"),
-            fmt(s["gpu_util"] and 100 * s["gpu_util"], ".0f"),
-            fmt(solo and s["samples_per_s"] / solo, ".2f"),
-            fmt(p.get("samples_per_s")),
-            fmt(p.get("samples_per_s") and s["samples_per_s"] / p["samples_per_s"], ".2f"),
-        ))  # fmt: skip
-    lines.append(markdown_table(
-        ("K", "stacked samples/s", "step ms", "peak GiB", "GPU busy %", "x one model (top rung)",
-         "K processes samples/s", "x K processes"), rows))  # fmt: skip
+        rows.append(
+            (
+                k,
+                fmt(s["samples_per_s"]),
+                fmt(s["step_ms"], ".2f"),
+                fmt(s["peak_mem_gb"], ".2f"),
+                fmt(s["gpu_util"] and 100 * s["gpu_util"], ".0f"),
+                fmt(solo and s["samples_per_s"] / solo, ".2f"),
+                fmt(p.get("samples_per_s")),
+                fmt(p.get("samples_per_s") and s["samples_per_s"] / p["samples_per_s"], ".2f"),
+            )
+        )
+    lines.append(
+        markdown_table(
+            (
+                "K",
+                "stacked samples/s",
+                "step ms",
+                "peak GiB",
+                "GPU busy %",
+                "x one model (top rung)",
+                "K processes samples/s",
+                "x K processes",
+            ),
+            rows,
+        )
+    )
     if r.get("solo"):
         s = r["solo"]
-        lines += ["", f"One model at the top rung ({','.join(s['rungs'])}): "
-                  f"{fmt(s['steady_samples_per_s'])} samples/s, {fmt(s['step_ms'], '.2f')} ms a "
-                  f"step, warm-up {fmt(s['warmup_s'], '.1f')} s: K models one after another "
-                  "give these samples/s and K warm-ups."]  # fmt: skip
+        lines += [
+            "",
+            f"One model at the top rung ({','.join(s['rungs'])}): "
+            f"{fmt(s['steady_samples_per_s'])} samples/s, {fmt(s['step_ms'], '.2f')} ms a "
+            f"step, warm-up {fmt(s['warmup_s'], '.1f')} s: K models one after another "
+            "give these samples/s and K warm-ups.",
+        ]
     if r.get("check"):
         c = r["check"]
-        lines += ["", f"Equivalence, K = {c['k']}: {c['equivalent']} of {len(c['members'])} "
-                  f"members within tolerance {c['tolerance']} of their solo plain fp32 run.", ""]
-        lines.append(markdown_table(
-            ("seed", "lr", "wd", "loss max rel dev", "pred rel L2", "mark-out delta bps", "ok"),
-            [(m["seed"], m["lr"], m["weight_decay"], f"{m['loss_max_rel_dev']:.2e}",
-              f"{m['pred_rel_l2']:.2e}", f"{m['markout_delta_bps']:.3f}", m["equivalent"])
-             for m in c["members"]]))  # fmt: skip
+        lines += [
+            "",
+            f"Equivalence, K = {c['k']}: {c['equivalent']} of {len(c['members'])} "
+            "members within the tolerance of the stack's precision "
+            f"{c['tolerance']} of the same model trained alone with the same rungs. "
+            "Beside it, each against the plain fp32 loop, and the control: the model "
+            "alone with the stack's rungs against the plain loop.",
+            "",
+        ]
+
+        def cell(f: dict) -> str:
+            return (
+                f"{f['loss_max_rel_dev']:.1e} / {f['pred_rel_l2']:.1e} / "
+                f"{f['markout_delta_bps']:.3f}" + ("" if f["within"] else " (over)")
+            )
+
+        lines.append(
+            markdown_table(
+                (
+                    "seed",
+                    "lr",
+                    "wd",
+                    "vs alone, same rungs: loss / pred / mark-out bps",
+                    "vs plain fp32",
+                    "control: alone vs plain",
+                ),
+                [
+                    (
+                        m["seed"],
+                        m["lr"],
+                        m["weight_decay"],
+                        cell(m["vs_alone"]),
+                        cell(m["vs_plain"]),
+                        cell(m["control"]),
+                    )
+                    for m in c["members"]
+                ],
+            )
+        )
     if r.get("warmup"):
         w = r["warmup"]
-        lines += ["", f"Warm-up to the first steady step, K = {w['k']}, a fresh process: "
-                  f"{w['cold_s']:.1f} s with an empty Inductor cache, {w['warm_s']:.1f} s with "
-                  "the cache the first run filled."]  # fmt: skip
+        lines += [
+            "",
+            f"Warm-up to the first steady step, K = {w['k']}, a fresh process: "
+            f"{w['cold_s']:.1f} s with an empty Inductor cache, {w['warm_s']:.1f} s with "
+            "the cache the first run filled.",
+        ]
     return "\n".join(lines) + "\n"
 
 
