@@ -13,10 +13,12 @@ import pytest
 
 from quantloop.tasks.data.ingest import (
     DataValidationError,
+    IngestLimits,
     LobsterDay,
     find_lobster,
     halted_rows,
     read_lobster,
+    scan_lobster,
     validate_book,
 )
 from quantloop.tasks.data.schema import book_schema
@@ -296,3 +298,81 @@ def test_trailing_blank_lines_are_not_rows_but_a_blank_line_inside_is_an_error(t
     assert day.table.num_rows == len(MSG)
     path.write_text("\n".join(MSG[:2] + [""] + MSG[2:]) + "\n")
     raises_at(path, f"{STEM}_message_2.csv", "row 3", "an empty line")
+
+
+# --------------------------------------------------------------------------- read in blocks
+
+SMALL = IngestLimits(block_bytes=4096)  # ~150 message rows a block: every day spans many
+
+
+def one_level_day(folder: Path, msg: list[str], book: list[str]) -> Path:
+    path = folder / f"{STEM}_message_1.csv"
+    path.write_text("\n".join(msg) + "\n")
+    (folder / f"{STEM}_orderbook_1.csv").write_text("\n".join(book) + "\n")
+    return path
+
+
+@needs_data
+def test_reading_in_small_blocks_gives_the_same_day(real_days):
+    name = SAMPLES[1][0]
+    [day] = read_lobster(DATA / name, limits=IngestLimits(block_bytes=64 << 10))
+    [whole] = real_days[name]
+    assert day.table.equals(whole.table) and day.halts == whole.halts
+    [scanned] = scan_lobster(DATA / name, limits=SMALL)
+    assert (scanned.rows, scanned.source) == (whole.table.num_rows, whole.source)
+
+
+def test_a_day_that_opens_inside_a_halt_blocks_before_its_first_marker(tmp_path):
+    """The first marker (a trade resume at row 3001) is ~20 blocks in: the locked book
+    before it is halted, not an error, and the halt is counted once."""
+    n, resume = 4000, 3000
+    msg = [f"{34200 + i / 1000:.3f},1,{i},10,1000000,-1" for i in range(n)]
+    msg[resume] = f"{34200 + resume / 1000:.3f},7,0,0,1,-1"
+    locked, ok = "1000000,10,1000000,200", "1000100,10,1000000,200"
+    book = [locked] * (resume + 1) + [ok] * (n - resume - 1)
+    [day] = read_lobster(one_level_day(tmp_path, msg, book), limits=SMALL)
+    halted = day.table.column("halted").to_numpy()
+    assert halted[: resume + 1].all() and not halted[resume + 1 :].any()
+    assert day.halts == 1
+    book[resume + 5] = locked  # after the resume: locked outside a halt
+    raises_at_with(one_level_day(tmp_path, msg, book), SMALL, f"row {resume + 6}", "locked")
+
+
+def raises_at_with(path: Path, limits: IngestLimits, *parts: str) -> str:
+    with pytest.raises(DataValidationError) as err:
+        read_lobster(path, limits=limits)
+    for part in parts:
+        assert part in str(err.value), err.value
+    return str(err.value)
+
+
+def test_rows_are_numbered_across_blocks(tmp_path):
+    n = 3000
+    msg = [f"{34200 + i / 1000:.3f},1,{i},10,1000100,-1" for i in range(n)]
+    book = ["1000100,10,1000000,200"] * n
+    # Time going back on each row near where blocks end (rows ~150 apart): one is a first row.
+    for k in range(140, 320, 7):
+        bad = list(msg)
+        bad[k] = f"{34200 + (k - 2) / 1000:.3f},1,{k},10,1000100,-1"
+        raises_at_with(one_level_day(tmp_path, bad, book), SMALL, f"row {k + 1}", "before")
+    bad = list(book)
+    bad[2500] += ",5"
+    raises_at_with(
+        one_level_day(tmp_path, msg, bad), SMALL, "orderbook_1.csv: row 2501", "5 columns"
+    )
+    bad = list(msg)
+    bad[2700] = bad[2700].replace(",10,", ",ten,")
+    raises_at_with(one_level_day(tmp_path, bad, book), SMALL, "row 2701, column 4", "'ten'")
+    raises_at_with(one_level_day(tmp_path, msg, book[:-1]), SMALL, "2999 rows", "row 3000")
+
+
+def test_blank_lines_at_the_end_span_blocks_but_one_inside_is_an_error(tmp_path):
+    n = 1000
+    msg = [f"{34200 + i / 1000:.3f},1,{i},10,1000100,-1" for i in range(n)]
+    book = ["1000100,10,1000000,200"] * n
+    path = one_level_day(tmp_path, msg, book)
+    path.write_text("\n".join(msg) + "\n" + "\n \r\n" * 5000)  # ~20 KB of blank lines
+    [day] = read_lobster(path, limits=SMALL)
+    assert day.rows == n
+    path.write_text("\n".join(msg[:500]) + "\n" + "\n" * 5000 + "\n".join(msg[500:]) + "\n")
+    raises_at_with(path, SMALL, "row 501", "an empty line")
