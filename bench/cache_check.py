@@ -52,8 +52,38 @@ def engine_alone(home: Path, reps: int = 5) -> dict:
     mb = sum(found["output_length"].to_pylist()) / 1e6
     off, on = statistics.median(times[False]), statistics.median(times[True])
     return {"hits": hits, "output_mb": mb, "off_s": off, "on_s": on,
-            "per_hit_ms": (on - off) / hits * 1e3, "mb_per_s": mb / (on - off) if on > off else None,
+            "per_hit_ms": (on - off) / hits * 1e3,
+            "mb_per_s": mb / (on - off) if on > off else None,
             "times": {"off": times[False], "on": times[True]}}  # fmt: skip
+
+
+def markdown(result: dict) -> str:
+    noop, eng = result["noop"], result["engine"]
+    rows = [
+        ("no-op re-run, whole CLI (wall s)", f"{noop['off']['wall_s']:.2f}",
+         f"{noop['on']['wall_s']:.2f}", f"{noop['on']['wall_s'] / noop['off']['wall_s']:.3f}"),
+        ("no-op re-run, features phase (s)", f"{noop['off']['features_s']:.3f}",
+         f"{noop['on']['features_s']:.3f}",
+         f"{noop['on']['features_s'] / noop['off']['features_s']:.2f}"),
+        (f"engine alone: {eng['hits']} hits, {eng['output_mb']:.1f} MB of outputs (s)",
+         f"{eng['off_s']:.3f}", f"{eng['on_s']:.3f}", f"{eng['on_s'] / eng['off_s']:.2f}"),
+    ]  # fmt: skip
+    table = markdown_table(["what", "check off", "check on (default)", "on / off"], rows)
+    spread = {n: f"{min(v['walls']):.1f}-{max(v['walls']):.1f} s" for n, v in noop.items()}
+    return (
+        "# Checking every cache hit: cost\n\n"
+        f"{stamp_line(result)}\n\n"
+        f"The embedded defaults, cold once ({result['cold_wall_s']:.1f} s), then no-op re-runs "
+        f"of the real CLI alternating `verify_hits` off and on, median of {result['repeat']} "
+        "each; the engine's lookup and check alone in one process, median of 5.\n\n"
+        f"{table}\n\n"
+        f"Per hit: {eng['per_hit_ms']:.2f} ms to read and sha256 its output "
+        f"({eng['output_mb'] / eng['hits']:.2f} MB a hit"
+        + (f", {eng['mb_per_s']:.0f} MB/s" if eng["mb_per_s"] else "")
+        + "). The whole command's walls ranged "
+        f"{spread['off']} (off) and {spread['on']} (on): where that spread is larger than the "
+        "check's cost, the engine's and the features phase's rows are the measurement.\n"
+    )
 
 
 def main() -> None:
@@ -61,9 +91,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", type=Path)
     parser.add_argument("--results", type=Path)
+    parser.add_argument("--render", type=Path, help="print the table of a saved result JSON")
     args = parser.parse_args()
+    if args.render:
+        print(markdown(json.loads(args.render.read_text())))
+        return
     work = args.work or Path(tempfile.mkdtemp(prefix="cache-check-"))
     home = work / "home"
+    work.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     try:
         cold = run_once(home, {}, env)
@@ -86,36 +121,19 @@ def main() -> None:
         **stamp(),
         "repeat": args.repeat,
         "cold_wall_s": cold["wall_s"],
-        "noop": {n: {"wall_s": med(n, "wall_s"), "features_s": med(n, "features"),
-                     "walls": [r["wall_s"] for r in runs[n]]} for n in runs},  # fmt: skip
+        "noop": {
+            n: {
+                "wall_s": med(n, "wall_s"),
+                "features_s": med(n, "features"),
+                "walls": [r["wall_s"] for r in runs[n]],
+            }
+            for n in runs
+        },  # fmt: skip
         "engine": alone,
     }
-    noop, eng = result["noop"], alone
-    rows = [
-        ("no-op re-run, whole CLI (wall s)", f"{noop['off']['wall_s']:.2f}",
-         f"{noop['on']['wall_s']:.2f}", f"{noop['on']['wall_s'] / noop['off']['wall_s']:.3f}"),
-        ("no-op re-run, features phase (s)", f"{noop['off']['features_s']:.3f}",
-         f"{noop['on']['features_s']:.3f}",
-         f"{noop['on']['features_s'] / noop['off']['features_s']:.2f}"),
-        (f"engine alone: {eng['hits']} hits, {eng['output_mb']:.1f} MB of outputs (s)",
-         f"{eng['off_s']:.3f}", f"{eng['on_s']:.3f}", f"{eng['on_s'] / eng['off_s']:.2f}"),
-    ]  # fmt: skip
-    table = markdown_table(["what", "check off", "check on (default)", "on / off"], rows)
-    text = (
-        "# Checking every cache hit: cost\n\n"
-        f"{stamp_line(result)}\n\n"
-        f"The embedded defaults, cold once ({cold['wall_s']:.1f} s), then no-op re-runs of the "
-        f"real CLI alternating `verify_hits` off and on, median of {args.repeat} each; the "
-        "engine's lookup and check alone in one process, median of 5.\n\n"
-        f"{table}\n\n"
-        f"Per hit: {eng['per_hit_ms']:.2f} ms to read and sha256 its output "
-        f"({eng['output_mb'] / eng['hits']:.2f} MB a hit"
-        + (f", {eng['mb_per_s']:.0f} MB/s" if eng["mb_per_s"] else "")
-        + ").\n"
-    )
+    text = markdown(result)
     print(text)
-    if args.results or not args.work:
-        write("cache-check", result, text, args.results or Path(__file__).parent / "results")
+    write("cache-check", result, text, args.results or Path(__file__).parent / "results")
 
 
 if __name__ == "__main__":
