@@ -196,9 +196,10 @@ def setup(url: str, creds: Credentials, *, models: tuple[str, str], experiment: 
     status, answer = _call(url, admin, f"/api/2.0/mlflow/users/get?username={admin.username}")
     if status == 401 and creds.previous_admin_password:
         before = Identity(admin.username, creds.previous_admin_password)
+        # MLflow asks for the current password when a user changes its own
         status, answer = _call(url, before, "/api/2.0/mlflow/users/update-password",
-                               {"username": admin.username, "password": admin.password},
-                               "PATCH")  # fmt: skip
+                               {"username": admin.username, "password": admin.password,
+                                "current_password": before.password}, "PATCH")  # fmt: skip
         _ok("the admin's new password", status, answer)
     elif status == 401:
         raise AuthError(
@@ -236,7 +237,13 @@ def setup(url: str, creds: Credentials, *, models: tuple[str, str], experiment: 
         (creds.promoter, "registered_model", guarded, "MANAGE"),
     ]
     for who, kind, resource, permission in grants:
+        which = {"username": who.username, "resource_type": kind, "resource_id": resource}
         status, answer = _call(url, admin, "/api/3.0/mlflow/users/permissions/grant",
-                               {"username": who.username, "resource_type": kind,
-                                "resource_id": resource, "permission": permission})  # fmt: skip
+                               {**which, "permission": permission})  # fmt: skip
+        if status == 400 and "already exists" in str(answer.get("message")):
+            # a later start: granted again as it should be, whatever it was changed to
+            status, answer = _call(url, admin, "/api/3.0/mlflow/users/permissions/revoke", which)
+            _ok(f"revoking {kind} {resource} for {who.username}", status, answer)
+            status, answer = _call(url, admin, "/api/3.0/mlflow/users/permissions/grant",
+                                   {**which, "permission": permission})  # fmt: skip
         _ok(f"{permission} on {kind} {resource} for {who.username}", status, answer)

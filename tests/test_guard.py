@@ -256,3 +256,25 @@ def test_the_promoter_promotes_a_passing_candidate_by_a_copy(locked, candidates)
     assert history[0]["time_s"] > 0 and "time_s" not in history[1]
     now = admin.get_model_version_by_alias(locked.name, "gate-champion")
     assert now.version == champion.version
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_rotated_credentials_replace_the_old_ones_on_the_server(tmp_path):
+    """identities.rotate, then serve's setup step: the server takes every new password
+    (the admin's changed with the old one) and refuses every old one."""
+    path = tmp_path / "credentials.json"
+    before = identities.load(path)
+    with servers.mlflow_server(tmp_path, credentials=(before.admin.username,
+                                                      before.admin.password)) as uri:  # fmt: skip
+        models = ("rotation", "rotation-candidates")
+        identities.setup(uri, before, models=models, experiment="rotation")
+        after = identities.rotate(path)
+        identities.setup(uri, after, models=models, experiment="rotation")
+        search = "/api/2.0/mlflow/experiments/search"
+        for role in ("admin", "researcher", "promoter"):
+            assert rest(uri, after.mlflow(role), search, {"max_results": 1}) == 200, role
+            assert rest(uri, before.mlflow(role), search, {"max_results": 1}) == 401, role
+        # a second start with the rotated file finds nothing left to change
+        identities.setup(uri, after, models=models, experiment="rotation")
+        assert rest(uri, after.admin, search, {"max_results": 1}) == 200
