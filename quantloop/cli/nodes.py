@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated
 
 import typer
@@ -23,7 +23,7 @@ from quantloop.cli.common import (
 )
 
 
-class Format(str, Enum):
+class Format(StrEnum):
     auto = "auto"
     table = "table"
     tsv = "tsv"
