@@ -535,3 +535,11 @@ def assert_same_markouts(a: dict, b: dict) -> None:
     for name, by_product in a.items():
         for product, table in by_product.items():
             assert_same(table, b[name][product])
+
+
+@pytest.mark.parametrize("horizons", [(float("inf"),), (5.0, float("nan")), (0.0,), (-1.0,)])
+def test_sim_config_refuses_a_horizon_that_is_not_finite_and_positive(horizons):
+    """backtest and retrain build SimConfig themselves, past the form's check: an infinite
+    horizon was accepted here and made a mark-out column of NaN."""
+    with pytest.raises(ValueError, match="markout_horizons_s must be finite and > 0"):
+        SimConfig(markout_horizons_s=horizons)

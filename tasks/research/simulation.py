@@ -94,8 +94,11 @@ class SimConfig:
             raise ValueError(f"signal_horizon must be an integer >= 0, got {self.signal_horizon}")
         if not 0.0 <= self.trade_quantile < 1.0:
             raise ValueError(f"trade_quantile must be in [0, 1), got {self.trade_quantile}")
-        if any(not h > 0 for h in self.markout_horizons_s):
-            raise ValueError(f"markout_horizons_s must be > 0, got {self.markout_horizons_s}")
+        # finite too: an infinite horizon reads no mid and made a column of NaN ("infs")
+        if any(not 0 < h < math.inf for h in self.markout_horizons_s):
+            raise ValueError(
+                f"markout_horizons_s must be finite and > 0, got {self.markout_horizons_s}"
+            )
         if any(int(h) != h or h < 1 for h in self.markout_horizons_events):
             raise ValueError(
                 f"markout_horizons_events must be integers >= 1, got {self.markout_horizons_events}"
