@@ -29,7 +29,10 @@ def find_research_run(client: MlflowClient, ref: str) -> Run:
         try:
             run = client.get_run(ref)
         except Exception as exc:  # MLflow's RESOURCE_DOES_NOT_EXIST
-            raise LookupError(f"no MLflow run {ref} at {client.tracking_uri}: {exc}") from exc
+            # a locked server's basic-auth app answers a run that is not there with 403
+            why = ("not there, or not readable by this identity (MLflow answers 403 to both)"
+                   if "403 != 200" in str(exc) else str(exc))  # fmt: skip
+            raise LookupError(f"no MLflow run {ref} at {client.tracking_uri}: {why}") from exc
         if run.data.tags.get("quantloop.stage") not in RESEARCH_STAGES:
             parent = run.data.tags.get(PARENT_TAG)
             if parent:  # a stage's run: its research run is meant
