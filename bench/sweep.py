@@ -101,9 +101,17 @@ def settings(cfg, k: int):
     ]
 
 
-def stack_config(device: torch.device, steps: int) -> StackConfig:
+def stack_config(device: torch.device, steps: int, layout: str = "packed") -> StackConfig:
+    """The stack's rungs: packed windows (with FlexAttention, compile and bf16 on a GPU), or
+    padded ones (the first version, kept for the comparison)."""
     cuda = device.type == "cuda"
-    return StackConfig(compile=cuda, bf16=cuda, warmup_steps=min(10, max(1, steps // 4)))
+    return StackConfig(
+        compile=cuda,
+        bf16=cuda,
+        warmup_steps=min(10, max(1, steps // 4)),
+        packing=layout == "packed",
+        flex_attention=cuda and layout == "packed",
+    )
 
 
 def trading(result, tables, held_out, product="SYNA") -> dict:
@@ -149,7 +157,7 @@ def warmup_probe(args) -> None:
     cfg = dataclasses.replace(cfg, steps=6)
     data = prepare(tables, fs.inputs, fs.labels, cfg)
     members = [Member(data=reseeded(data, c), config=c) for c in settings(cfg, args.probe_k)]
-    stack = dataclasses.replace(stack_config(device, 6), warmup_steps=1)
+    stack = dataclasses.replace(stack_config(device, 6, args.layout), warmup_steps=1)
     t0 = time.perf_counter()
     _, timing = train_stacked(members, stack)
     print(json.dumps({"warmup_s": timing.warmup_s, "total_s": time.perf_counter() - t0}))
@@ -217,6 +225,7 @@ def main() -> None:
     ap.add_argument("--procs", default="4,16", help="K of the K-processes way ('' for none)")
     ap.add_argument("--check", type=int, default=16, help="K whose members are checked")
     ap.add_argument("--probe-k", type=int, default=16)
+    ap.add_argument("--layout", default="packed", choices=("packed", "padded"))
     ap.add_argument("--parts", default="stacked,solo,procs,check,warmup")
     ap.add_argument("--tiny", action="store_true", help="a CPU rehearsal's small shape")
     ap.add_argument("--worker", action="store_true")
@@ -234,7 +243,7 @@ def main() -> None:
     tables, fs, cfg, held_out = setup(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = prepare(tables, fs.inputs, fs.labels, cfg)
-    stack = stack_config(device, args.steps)
+    stack = stack_config(device, args.steps, args.layout)
     result: dict = {
         "params": args.params,
         "steps": args.steps,
@@ -260,6 +269,8 @@ def main() -> None:
             row = dataclasses.asdict(t)
         except torch.OutOfMemoryError as exc:
             row = {"k": k, "error": f"out of memory: {str(exc).splitlines()[0]}"}
+        except Exception as exc:  # noqa: BLE001 - recorded, and the next K still runs
+            row = {"k": k, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         del members
         torch.cuda.empty_cache() if device.type == "cuda" else None
         result["stacked"].append(row)

@@ -18,6 +18,8 @@ order of float sums (tests/test_stacked.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -74,3 +76,63 @@ def forward(p: Params, cfg: ModelConfig, x: torch.Tensor, mask: torch.Tensor) ->
     count = m.sum(2).clamp(min=1).to(h.dtype)  # [K, B, 1]
     mean = torch.where(m, h, zero).sum(2) / count  # [K, B, D]
     return linear(torch.cat([last, mean], dim=-1), p["head.weight"], p["head.bias"])
+
+
+def forward_packed(
+    p: Params,
+    cfg: ModelConfig,
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    seg: torch.Tensor,
+    last: torch.Tensor,
+    count: torch.Tensor,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Outputs of K models on packed windows (profiling/packing.py's layout, one pack per
+    model): [K, B, n_outputs].
+
+    x: [K, R, T, F]; pos, seg: [K, R, T] long (seg: the window's slot in its model's batch,
+    B on padding; pos: events before the window's anchor); last: [K, B], each anchor's flat
+    index in its model's R * T positions; count: [K, B] window lengths. `attend(q, k, v)`
+    on [K * R, H, T, Dh] attends within each window only (a dense block-diagonal mask, or
+    FlexAttention's block mask: profiling/stacked.py picks).
+    """
+    K, R, T, _ = x.shape
+    B = last.shape[1]
+    H, D = cfg.n_heads, cfg.d_model
+    real = (seg < B).unsqueeze(-1)  # [K, R, T, 1]
+    x = torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    model = torch.arange(K, device=x.device).view(K, 1, 1)
+    h = linear(x, p["embed.weight"], p["embed.bias"]) + p["pos.weight"][model, pos]
+    for i in range(cfg.n_layers):
+        b = f"blocks.{i}."
+        a = layer_norm(h, p[b + "norm1.weight"], p[b + "norm1.bias"])
+        qkv = linear(a, p[b + "attn.qkv.weight"], p[b + "attn.qkv.bias"])  # [K, R, T, 3D]
+        q, k, v = qkv.view(K * R, T, 3, H, D // H).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [K*R, H, T, Dh]
+        y = attend(q, k, v).transpose(1, 2).reshape(K, R, T, D)
+        h = h + linear(y, p[b + "attn.proj.weight"], p[b + "attn.proj.bias"])
+        a = layer_norm(h, p[b + "norm2.weight"], p[b + "norm2.bias"])
+        a = F.gelu(linear(a, p[b + "mlp.0.weight"], p[b + "mlp.0.bias"]))
+        h = h + linear(a, p[b + "mlp.2.weight"], p[b + "mlp.2.bias"])
+    h = layer_norm(h, p["norm.weight"], p["norm.bias"]).reshape(K, R * T, D)
+    last_h = torch.gather(h, 1, last.unsqueeze(-1).expand(K, B, D))  # [K, B, D]
+    # each model's windows sum into buckets of their own: model k's slot s -> k * (B + 1) + s
+    # (slot B of each model collects its padding)
+    bucket = (seg.reshape(K, R * T) + (B + 1) * model.view(K, 1)).reshape(-1)
+    sums = torch.zeros(K * (B + 1), D, dtype=h.dtype, device=h.device)
+    sums = sums.index_add(0, bucket, h.reshape(K * R * T, D)).view(K, B + 1, D)
+    mean = sums[:, :B] / count.to(h.dtype).unsqueeze(-1)
+    return linear(torch.cat([last_h, mean], dim=-1), p["head.weight"], p["head.bias"])
+
+
+def dense_window_attention(seg: torch.Tensor) -> Callable:
+    """attend() for forward_packed with SDPA and a dense [K*R, 1, T, T] mask: a position
+    attends to its own window (padding forms a window of its own, so no row is all masked)."""
+    rows = seg.reshape(-1, seg.shape[-1])  # [K*R, T]
+    allowed = rows[:, None, :, None] == rows[:, None, None, :]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+    return attend

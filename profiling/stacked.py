@@ -41,10 +41,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.func import stack_module_state
+from torch.nn.attention.flex_attention import flex_attention
 
 from quantloop.models import stacked as stacked_model
 from quantloop.models.orderbook import ModelConfig, OrderBookNet
 from quantloop.profiling import measure
+from quantloop.profiling.packing import FlexMask
+from quantloop.profiling.trainer import training_set
+from quantloop.profiling.workload import pack_fields
 from quantloop.tasks.research.train_config import TrainConfig
 from quantloop.tasks.research.training import (
     TrainingData,
@@ -75,10 +79,14 @@ class StackConfig:
     # Inductor's C++ build), as tests/test_train_rungs.py does for the ladder's rungs
     compile_backend: str = "inductor"
     sample_gpu: bool = True  # NVML's busy fraction over the steady steps (CUDA)
+    packing: bool = False  # windows packed into rows, no padding (the ladder's rung 8)
+    flex_attention: bool = False  # with packing: FlexAttention's block mask (rung 9)
 
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.flex_attention and not self.packing:
+            raise ValueError("flex_attention needs packing: it attends within packed windows")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,7 +184,7 @@ def update(params, exp_avgs, exp_avg_sqs, lrs, decays, t: torch.Tensor) -> None:
 
 
 def stacked_loss_fn(cfg: ModelConfig, bf16: bool, device_type: str):
-    """[K] losses of K models on their own batches: each model's MSE of standardized
+    """[K] losses of K models on their own padded batches: each model's MSE of standardized
     labels (F.mse_loss's mean over its batch and outputs), as the plain loop's."""
 
     def losses(params, x, mask, y):
@@ -188,39 +196,137 @@ def stacked_loss_fn(cfg: ModelConfig, bf16: bool, device_type: str):
     return losses
 
 
-def train_stacked(
-    members: Sequence[Member], stack: StackConfig = StackConfig()
-) -> tuple[list[TrainResult], StackTiming]:  # noqa: E501
-    """Train the members together; each member's TrainResult as its solo run would give
-    it (curve, weights, digest), and the stack's timing."""
-    check_members(members)
-    cfg0 = members[0].config
-    device = resolve_device(cfg0.device)
-    k, steps, batch = len(members), cfg0.steps, cfg0.batch_size
+def packed_loss_fn(cfg: ModelConfig, bf16: bool, device_type: str):
+    """The same losses on packed batches; `block_mask` (FlexAttention's, over the K * R rows)
+    or, without it, a dense block-diagonal mask made from `seg`."""
 
-    # Distinct data once on the device, concatenated; each member reads at its offsets.
-    # Members reseeded from one prepared fold (`reseeded`) share its arrays: one copy.
+    def losses(params, x, pos, seg, last, count, y, block_mask=None):
+        if block_mask is None:
+            attend = stacked_model.dense_window_attention(seg)
+        else:
+
+            def attend(q, k, v):
+                return flex_attention(q, k, v, block_mask=block_mask)
+
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+            pred = stacked_model.forward_packed(params, cfg, x, pos, seg, last, count, attend)
+        return (pred.float() - y).square().mean(dim=(1, 2))
+
+    return losses
+
+
+@dataclasses.dataclass(kw_only=True)
+class Device:
+    """The members' distinct data, concatenated on the device once; each member reads at
+    its offsets. Members reseeded from one prepared fold (`reseeded`) share its arrays."""
+
+    features: torch.Tensor  # [rows, F]
+    index: torch.Tensor  # [N, T] feature row of each window position (padded layout)
+    mask: torch.Tensor  # [N, T]
+    labels: torch.Tensor  # [N, L]
+    order: torch.Tensor  # [K, steps, B] global window index
+    row_offset: dict[int, int]  # id(windows) -> first feature row of that data
+    window_offset: dict[int, int]  # id(windows) -> first window of that data
+
+
+def on_device(members: Sequence[Member], device: torch.device) -> Device:
     datas: list[TrainingData] = []
     for m in members:
         if not any(m.data.windows is d.windows for d in datas):
             datas.append(m.data)
-    feats, index, mask, labels, window_offset = [], [], [], [], {}
+    feats, index, mask, labels, row_offset, window_offset = [], [], [], [], {}, {}
     rows = windows = 0
     for d in datas:
         feats.append(d.features)
         index.append(d.windows.index + rows)  # the data's own padding row moves with it
         mask.append(d.windows.mask)
         labels.append(d.labels)
-        window_offset[id(d.windows)] = windows
+        row_offset[id(d.windows)], window_offset[id(d.windows)] = rows, windows
         rows += len(d.features)
         windows += len(d.windows)
-    feats_t = torch.from_numpy(np.concatenate(feats)).to(device)  # [rows, F]
-    index_t = torch.from_numpy(np.concatenate(index)).to(device)  # [N, T]
-    mask_t = torch.from_numpy(np.concatenate(mask)).to(device)  # [N, T]
-    labels_t = torch.from_numpy(np.concatenate(labels)).to(device)  # [N, L]
-    # [K, steps, B]: each member's own batch order, at its data's offset
     order = np.stack([m.data.order + window_offset[id(m.data.windows)] for m in members])
-    order_t = torch.from_numpy(order).to(device)
+    return Device(
+        features=torch.from_numpy(np.concatenate(feats)).to(device),
+        index=torch.from_numpy(np.concatenate(index)).to(device),
+        mask=torch.from_numpy(np.concatenate(mask)).to(device),
+        labels=torch.from_numpy(np.concatenate(labels)).to(device),
+        order=torch.from_numpy(order).to(device),
+        row_offset=row_offset,
+        window_offset=window_offset,
+    )
+
+
+class PaddedBatches:
+    """Each step's batch of every member, padded to the window length: one gather."""
+
+    def __init__(self, dev: Device) -> None:
+        self.dev = dev
+
+    def __call__(self, step: int) -> tuple:
+        d = self.dev
+        b = d.order[:, step]  # [K, B]
+        return d.features[d.index[b]], d.mask[b], d.labels[b]
+
+
+class PackedBatches:
+    """Each step's batch of every member packed into R rows of T events (profiling/
+    packing.py's layout, first-fit decreasing per member and step, R the most any member's
+    step needs). Every step's packing is planned before the loop and kept on the device
+    as int32 (src, seg, pos: ~10 bytes a position), so a step is gathers on the device and
+    no host work: the top rung's loader thread does the same work beside the steps."""
+
+    def __init__(self, members: Sequence[Member], dev: Device, flex: bool) -> None:
+        works = [training_set(m.data, packing=True) for m in members]
+        T = works[0].max_len
+        R = max(w.pack_rows for w in works)
+        steps, K = members[0].config.steps, len(members)
+        src = np.empty((steps, K, R * T), np.int32)
+        seg = np.empty((steps, K, R, T), np.int32)
+        pos = np.empty((steps, K, R, T), np.int32)
+        last = np.empty((steps, K, members[0].config.batch_size), np.int64)
+        count = np.empty(last.shape, np.float32)
+        for k, (m, w) in enumerate(zip(members, works, strict=True)):
+            offset = dev.row_offset[id(m.data.windows)]
+            for step in range(steps):
+                which = w.order[step]
+                f = pack_fields(w.train.start[which], w.train.lengths[which], w.pack_row[step],
+                                w.pack_off[step], T, R, w.pad_row)  # fmt: skip
+                src[step, k] = f["src"] + offset
+                seg[step, k], pos[step, k] = f["seg"], f["pos"]
+                last[step, k], count[step, k] = f["last"], f["count"]
+        device = dev.features.device
+        self.dev, self.R, self.T = dev, R, T
+        self.src, self.seg, self.pos, self.last, self.count = (
+            torch.from_numpy(a).to(device) for a in (src, seg, pos, last, count)
+        )
+        self.mask = FlexMask(K * R, T, device) if flex else None
+
+    def __call__(self, step: int) -> tuple:
+        d = self.dev
+        K = d.order.shape[0]
+        x = d.features[self.src[step]].view(K, self.R, self.T, -1)
+        seg = self.seg[step].long()
+        y = d.labels[d.order[:, step]]
+        block_mask = None if self.mask is None else self.mask.update(seg.view(-1, self.T))
+        return x, self.pos[step].long(), seg, self.last[step], self.count[step], y, block_mask
+
+
+def train_stacked(
+    members: Sequence[Member], stack: StackConfig = StackConfig()
+) -> tuple[list[TrainResult], StackTiming]:
+    """Train the members together; each member's TrainResult as its solo run would give
+    it (curve, weights, digest), and the stack's timing."""
+    check_members(members)
+    cfg0 = members[0].config
+    device = resolve_device(cfg0.device)
+    k, steps, batch = len(members), cfg0.steps, cfg0.batch_size
+    dev = on_device(members, device)
+    if stack.packing:
+        batches = PackedBatches(members, dev, flex=stack.flex_attention)
+        make_loss = packed_loss_fn
+    else:
+        batches = PaddedBatches(dev)
+        make_loss = stacked_loss_fn
 
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices), torch_threads(cfg0.num_threads):
@@ -239,7 +345,7 @@ def train_stacked(
             wd,
             backend=stack.compile_backend if stack.compile else None,
         )
-        loss_fn = stacked_loss_fn(members[0].data.model_config, stack.bf16, device.type)
+        loss_fn = make_loss(members[0].data.model_config, stack.bf16, device.type)
         if stack.compile:
             # static shapes: each K is its own graph (a second K would otherwise make
             # Dynamo compile a dynamic-shape graph for every K after it)
@@ -257,8 +363,7 @@ def train_stacked(
                 sync()
                 steady = time.perf_counter()
                 sampling.enter_context(sampler)
-            b = order_t[:, step]  # [K, B]
-            loss = loss_fn(params, feats_t[index_t[b]], mask_t[b], labels_t[b])  # [K]
+            loss = loss_fn(params, *batches(step))  # [K]
             optimizer.zero_grad()
             loss.sum().backward()
             optimizer.step()

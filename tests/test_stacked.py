@@ -48,9 +48,17 @@ def solo_and_stacked(stack: StackConfig):
 
 
 @pytest.mark.parametrize(
-    "stack", [StackConfig(), StackConfig(compile=True, compile_backend="aot_eager")],
-    ids=["eager", "compiled"],
-)  # fmt: skip
+    "stack",
+    [
+        StackConfig(),
+        StackConfig(compile=True, compile_backend="aot_eager"),
+        StackConfig(packing=True),
+        StackConfig(packing=True, compile=True, compile_backend="aot_eager"),
+        # flex_attention: "FlexAttention does not support backward on CPU" (torch 2.13);
+        # bench/sweep.py checks it on the H200
+    ],
+    ids=["padded", "padded-compiled", "packed", "packed-compiled"],
+)
 def test_each_model_of_a_stack_is_the_model_trained_alone(stack):
     """Fixed seeds: the loss curve, the weights and the held-out predictions of every
     member within the ladder's fp32 tolerance of its solo run; and the members differ from
