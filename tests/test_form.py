@@ -99,7 +99,7 @@ def test_site_tracking_and_catalog_are_block_pickers_or_names():
         # no None tab (the form showed 'Property is type "None"' under it): an empty
         # picker is the default, None
         assert {"type": "string", "title": "By name"} in variants and len(variants) == 2
-        assert workspace[field]["default"] is None
+        assert "default" not in workspace[field]  # the form leaves it out: None
 
 
 def test_the_per_product_override_is_typed_and_offers_what_may_differ():
@@ -253,6 +253,17 @@ def test_no_form_field_renders_as_type_none():
     fields = schema["definitions"]["DataSource"]["properties"]
     assert fields["lobster_dir"]["type"] == "string"
     assert fields["lobster_dir"]["title"] == "LOBSTER folder"
+    # What Prefect checks when a deployment's run is created (a 409 otherwise): the form's
+    # values, None defaults left out, and null given for an optional field of one type.
+    from prefect.utilities.schema_tools.validation import validate
+
+    sections = schema["definitions"]["ResearchParams"]["properties"]
+    form = {"params": {name: spec["default"] for name, spec in sections.items()}}
+    assert "null" not in json.dumps(form)  # no null default for the form to send
+    given = {"params": {"data": {"lobster_dir": None}, "train": {"window_s": None},
+                        "workspace": {"tracking_uri": None}}}  # fmt: skip
+    for values in (form, given, {"params": {}}):
+        assert validate(values, schema, raise_on_error=True) == []
 
 
 def test_form_titles_are_written_not_generated_from_field_names():

@@ -56,7 +56,9 @@ def without_null_branches(schema: dict[str, Any], handler: Any) -> dict[str, Any
     text 'Property is type "None"', and picks that tab for a field whose value is None:
     the note stood under every optional field. Without the branch, the field is its
     type's input, empty while the value is None; left empty, the model's default (None)
-    applies, and JSON may still give null (the models are unchanged, only their schema).
+    applies, and JSON may still give null (the models are unchanged, only their schema;
+    a field of several types, a block picker, takes no null through a deployment: leave it
+    out instead).
     A saved block's own fields are left as they are: the form offers a picker of saved
     blocks, not their fields. Use as a model's `__get_pydantic_json_schema__`."""
     seen: set[str] = set()
@@ -84,12 +86,26 @@ def without_null_branches(schema: dict[str, Any], handler: Any) -> dict[str, Any
                 node.update({k: v for k, v in kept[0].items() if k not in node})
             else:
                 node["anyOf"] = kept
+            # No default: the form leaves the field out rather than sending null, and
+            # Prefect's check of a run's parameters (jsonschema, when a deployment's run is
+            # created) still takes null for a typed field that is optional and has none.
+            if node.get("default", 0) is None:
+                del node["default"]
+        if isinstance(node.get("default"), dict):
+            node["default"] = _without_none(node["default"])
         for key, value in node.items():
             if key != "$ref":
                 visit(value)
 
     visit(schema)
     return schema
+
+
+def _without_none(value: Any) -> Any:
+    """A default object without its None fields (left out, they are the same default)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
 
 
 class Form:
