@@ -7,6 +7,12 @@ import os
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
+# MLflow 3.17's UI shows an experiment in its GenAI view (traces, evaluations, a popover
+# over the page) or its model-training view, chosen by this query parameter of the page's
+# address, else by the browser's last choice, GenAI in a browser that never chose; it
+# does not read the experiment's `mlflow.experimentKind` tag. Links we write carry it.
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+
 
 class MlflowTracking(Block):
     """Where quantloop records runs: an MLflow tracking server or a local SQLite store.
@@ -83,7 +89,9 @@ class MlflowTracking(Block):
         )
         if base is None:
             return None
-        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+        return (
+            f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
+        )
 
     def resolved_artifact_location(self) -> str | None:
         if self.artifact_location:

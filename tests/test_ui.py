@@ -43,6 +43,8 @@ CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--no-first-run",
 ]  # fmt: skip
+# What only MLflow's GenAI view of an experiment or run shows (tests/test_mlflow_view.py).
+GENAI_ONLY = ("Evaluation runs", "Sessions", "Judges", "Detect Issues")
 SERVE_TIMEOUT_S = 420  # a first start on a busy 2-core machine: 20-60 s measured
 RUN_TIMEOUT_S = 300
 
@@ -246,17 +248,29 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypat
                 "Held-out share (Optional)",
                 "Mark-out horizons (seconds) (Optional)",
                 "Where to train: auto = the GPU when the worker has one, else CPU.",
+                "Tick size ($0.0001 units) (Optional)",
+                "Start price ($0.0001 units) (Optional)",
             ):
                 expect(page.get_by_text(shown).first).to_be_visible()
             assert field(page, "Trading days").input_value() == "2"
+            # No optional field shows a None tab's note (every one did), and the
+            # placement is a choice of the policies, not free text.
+            expect(page.get_by_text('Property is type "None"')).to_have_count(0)
+            placement = page.get_by_label("Select Placement", exact=True)
+            expect(placement).to_have_text("node")
+            placement.click()
+            for policy in ("node", "single"):
+                expect(page.get_by_role("option", name=policy, exact=True)).to_be_visible()
+            page.keyboard.press("Escape")
 
-            # The site is a picker of saved blocks; the run keeps the default (None).
+            # The site is a picker of saved blocks; the run keeps the default (None): no
+            # block picked (there is no None tab to pick).
             site = field_box(page, "Site")
             site.get_by_role("tab", name="Site", exact=True).click()
             site.get_by_text("Select a block...").click()
             expect(page.get_by_role("option", name="onprem-test")).to_be_visible()
             page.keyboard.press("Escape")
-            site.get_by_role("tab", name="None", exact=True).click()
+            expect(site.get_by_role("tab", name="None", exact=True)).to_have_count(0)
 
             # One changed field: 10 training steps instead of the deployment's 20.
             steps = field(page, "Steps")
@@ -326,9 +340,13 @@ def test_a_research_run_from_the_form_to_mlflow_in_a_browser(tmp_path, monkeypat
             page.wait_for_url(served.mlflow + "/**")
             page.get_by_text("train.steps", exact=True).wait_for()
             text = page.inner_text("body")
+            # MLflow's model-training view of the run, not its GenAI view (evaluations,
+            # traces, a popover over the page): tests/test_mlflow_view.py
+            assert "workflowType=machine_learning" in page.url, page.url
+            assert not [s for s in GENAI_ONLY if s in text], text[:3000]
             assert re.search(r"train\.steps\s+10\b", text), text[:3000]
             assert "research" in page.title() or "research" in text
-            mlflow_run_id = page.url.rsplit("/", 1)[-1]
+            mlflow_run_id = page.url.split("?")[0].rsplit("/", 1)[-1]
             browser.close()
 
         family = served.family()

@@ -49,7 +49,9 @@ _MAX_METRICS, _MAX_PARAMS, _MAX_TAGS = 1000, 100, 100
 _MAX_ENTITIES = 1000  # metrics, params and tags of one log_batch together
 _MAX_BATCH_CHARS = 800_000  # MLflow refuses a log_batch request over 1 MB
 _MAX_PARAM_CHARS = 6000  # MLflow's cap on a parameter value
-# The experiment opens in the UI's model-training view, not its GenAI view.
+# The experiment's kind, for MLflow's API and UIs that read it. MLflow 3.17's own UI does
+# not: it picks the GenAI or model-training view from the page address, so the links we
+# write carry the view (blocks/tracking.py MODEL_TRAINING_VIEW).
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 PARENT_TAG = "mlflow.parentRunId"
 SENDERS = 4  # threads that upload a run's files while the run goes on
