@@ -273,8 +273,12 @@ def recorded_workspace(home: Path) -> tuple[list[str], str, str]:
 
     root = str(home / "store")
     catalog = Catalog(home / "catalog.sqlite")
-    parts = [(Partition(p, d), random_book(100, seed=i)) for i, (p, d) in enumerate(
-        (p, d) for p in ("AAA", "BBB") for d in (dt.date(2026, 1, 5), dt.date(2026, 1, 6)))]
+    parts = [
+        (Partition(p, d), random_book(100, seed=i))
+        for i, (p, d) in enumerate(
+            (p, d) for p in ("AAA", "BBB") for d in (dt.date(2026, 1, 5), dt.date(2026, 1, 6))
+        )
+    ]
     catalog.land_packed("d", parts, root=root)
     kind = feature_kind()
     nodes, by_digest = plan_feature_table(catalog.table("d"), product_params(
@@ -285,8 +289,9 @@ def recorded_workspace(home: Path) -> tuple[list[str], str, str]:
     first = records.parts()[0]
     table = storage.read_parquet(first)
     n = table.num_rows
-    table = table.set_column(table.schema.get_field_index("status"), "status",
-                             pa.array(["failed"] + ["ok"] * (n - 1)))
+    table = table.set_column(
+        table.schema.get_field_index("status"), "status", pa.array(["failed"] + ["ok"] * (n - 1))
+    )
     table = table.set_column(table.schema.get_field_index("error"), "error",
                              pa.array([error] + [""] * (n - 1)))  # fmt: skip
     storage.write_parquet_atomic(first, table)
