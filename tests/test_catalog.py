@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+import tempfile
+import uuid
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from quantloop.tasks.data.catalog import Catalog
@@ -118,3 +123,160 @@ def test_landing_the_same_source_again_repairs_a_corrupted_partition(tmp_path):
     assert again.status == "repaired" and again.entry.digest == entry.digest
     assert storage.sha256_hex(storage.read_bytes(entry.location)) == entry.digest
     assert catalog.land("d", part, table, root=root).status == "unchanged"
+
+
+# ------------------------------------------------------------------ landing streamed
+
+# The digests landing wrote for these days before it streamed (land_lobster holding each
+# day's table, Catalog.land writing it whole: 47392bd's code), with pyarrow 25.0.1. A
+# change here changes every existing workspace's data digests: its runs would see their
+# inputs as changed. (A pyarrow whose zstd or Parquet writer writes other bytes would too.)
+SAMPLE_DIGESTS = {
+    "LOBSTER_SampleFile_AMZN_2012-06-21_1.zip":
+        "07187faea10bcd0d9f3d80698be99468b9ec5aa6490dfd4c4b98b6f6538dfd95",
+    "LOBSTER_SampleFile_AMZN_2012-06-21_5.zip":
+        "b1fde81245d930b56f7d5d55e739f42316d70dee3afc9705cf9a9b882ace5e69",
+    "LOBSTER_SampleFile_GOOG_2012-06-21_10.zip":
+        "b1054fb1251ac68390e861a7fc48f03a195d76d29c87b7b8775af7fb7f84e23b",
+}  # fmt: skip
+BIG_ROWS = 1_100_000  # more than one row group (1024 * 1024 rows)
+BIG_DIGEST = "634a623cfb5a355f984249da8a1f75f17637c654cf0e41dd956b8b22c1596659"
+BIG_STEM = "BIG_2024-01-02_34200000_57600000"
+
+
+def big_day(folder, rows: int = BIG_ROWS):
+    """A valid 1-level LOBSTER day of varied rows, every 1000th with an empty ask (a null
+    price), written as two CSVs; its message file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    message = folder / f"{BIG_STEM}_message_1.csv"
+    message.write_text("".join(
+        f"{34200 + k * 0.001:.3f},{1 + k % 5},{k},{1 + k % 500},{1000000 + (k % 97) * 100},"
+        f"{1 if k % 3 else -1}\n" for k in range(rows)
+    ))  # fmt: skip
+    (folder / f"{BIG_STEM}_orderbook_1.csv").write_text("".join(
+        (f"{1000100 + (k % 13) * 100},{100 + k % 7}" if k % 1000 != 999 else "9999999999,0")
+        + f",{1000000 - (k % 11) * 100},{200 + k % 5}\n" for k in range(rows)
+    ))  # fmt: skip
+    return message
+
+
+@pytest.fixture(scope="module")
+def big_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("big") / "lobster"
+    big_day(folder)
+    return folder
+
+
+def leftovers(root) -> list[str]:
+    return [str(p) for p in Path(root).rglob("*") if storage.TMP_MARK in p.name]
+
+
+@pytest.mark.parametrize("row_group_size", [1000, 1024, 3000, 20_000])
+def test_a_stream_writes_the_bytes_of_the_whole_table(tmp_path, row_group_size):
+    """ParquetStream, fed in blocks of any size (one row, across row group boundaries),
+    writes parquet_bytes(the whole table) byte for byte, nulls and all, and hashes what it
+    wrote; nothing is under the final name before publish, nothing left after discard."""
+    table = random_book(10_000, levels=3, seed=4)
+    prices = table.column("bid_price_3").to_numpy()
+    table = table.set_column(table.schema.get_field_index("bid_price_3"), "bid_price_3",
+                             pa.array(prices, mask=np.arange(len(prices)) % 7 == 0))  # fmt: skip
+    whole = storage.parquet_bytes(table, row_group_size)
+    for block in (1, 333, 1024, 4096, 10_000):
+        if block == 1 and row_group_size > 1024:
+            continue  # slow, and 1000/1024 cover it
+        stream = storage.ParquetStream(str(tmp_path / "day"), table.schema, row_group_size)
+        for i in range(0, table.num_rows, block):
+            stream.write(table.slice(i, block))
+        digest, size = stream.finish()
+        assert (digest, size) == (storage.sha256_hex(whole), len(whole)), block
+        out = tmp_path / "day" / f"{block}.parquet"
+        assert not out.exists()
+        stream.publish(str(out))
+        assert out.read_bytes() == whole
+    dropped = storage.ParquetStream(str(tmp_path / "new" / "deeper"), table.schema, 1000)
+    dropped.write(table)  # ten row groups written, under a temporary name
+    assert len(leftovers(tmp_path / "new")) == 1
+    dropped.discard()
+    assert not (tmp_path / "new").exists()  # the folders it made, gone with it
+
+
+def test_landed_lobster_days_keep_the_digests_of_whole_table_landing(
+    tmp_path, lobster_dir, big_folder
+):
+    """Landing streamed writes the bytes landing the whole table wrote: the three samples
+    and a day of two row groups land to the digests pinned above (and each equals
+    parquet_bytes of read_lobster's table), with nothing temporary left behind."""
+    from quantloop.tasks.data.ingest import read_lobster
+    from quantloop.tasks.data.landing import land_lobster
+
+    root = tmp_path / "store"
+    for name, expected in SAMPLE_DIGESTS.items():
+        catalog = Catalog(tmp_path / f"{name}.sqlite")
+        [landed] = land_lobster(catalog, str(root), lobster_dir / name)
+        assert landed.entry.digest == expected, name
+        [day] = read_lobster(lobster_dir / name)
+        assert storage.sha256_hex(storage.parquet_bytes(day.table)) == expected, name
+        assert storage.sha256_hex(Path(landed.entry.location).read_bytes()) == expected
+    catalog = Catalog(tmp_path / "big.sqlite")
+    [landed] = land_lobster(catalog, str(root), big_folder)
+    assert (landed.entry.digest, landed.entry.rows) == (BIG_DIGEST, BIG_ROWS)
+    assert storage.parquet_file(landed.entry.location).metadata.num_row_groups == 2
+    assert catalog.intact(landed.entry)
+    assert land_lobster(catalog, str(root), big_folder)[0].status == "unchanged"
+    # the whole folder: the 1-level AMZN day is superseded by the 5-level one (its
+    # temporary file, written first, is dropped)
+    folder = Catalog(tmp_path / "folder.sqlite")
+    landed = land_lobster(folder, str(tmp_path / "folder"), lobster_dir)
+    assert [x.entry.digest for x in landed] == list(SAMPLE_DIGESTS.values())[1:]
+    assert leftovers(tmp_path) == []
+    assert len(list((tmp_path / "folder").rglob("*.parquet"))) == 2
+
+
+def test_a_bad_row_after_a_written_row_group_lands_nothing(tmp_path, big_folder):
+    """A locked book past the first row group (so a million rows are already in the
+    day's temporary file) beside a good day: the error names the row, and the store is
+    left as it was: no file, no folder, no catalog row."""
+    from quantloop.tasks.data.ingest import DataValidationError
+    from quantloop.tasks.data.landing import land_lobster
+    from tests.test_ingest import BOOK, MSG, write_day
+
+    folder = tmp_path / "lobster"
+    folder.mkdir()
+    write_day(folder, MSG, BOOK)  # TEST, 2024-01-02: valid, read first
+    rows = (big_folder / f"{BIG_STEM}_orderbook_1.csv").read_text().splitlines()
+    ask, size, bid, bid_size = rows[1_050_005].split(",")
+    rows[1_050_005] = f"{bid},{size},{bid},{bid_size}"  # locked: best ask at the best bid
+    (folder / f"{BIG_STEM}_orderbook_1.csv").write_text("\n".join(rows) + "\n")
+    (folder / f"{BIG_STEM}_message_1.csv").symlink_to(big_folder / f"{BIG_STEM}_message_1.csv")
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = tmp_path / "store"
+    with pytest.raises(DataValidationError, match=r"orderbook_1\.csv: row 1050006,.*locked"):
+        land_lobster(catalog, str(root), folder)
+    assert catalog.entries("lobster") == []
+    assert not root.exists(), leftovers(root)
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_streamed_day_lands_on_s3_with_its_digest(s3_endpoint, tmp_path, lobster_dir):
+    """On an object store the day is written to a local temporary file and uploaded once
+    whole: the same digest as on disk, checked intact by a streamed read, no temporary
+    object or file left."""
+    import s3fs
+
+    from quantloop.tasks.data.landing import land_lobster
+
+    bucket = f"quantloop-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(bucket)
+    name = "LOBSTER_SampleFile_AMZN_2012-06-21_1.zip"
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    [landed] = land_lobster(catalog, f"s3://{bucket}/store", lobster_dir / name, site="s3")
+    assert landed.entry.digest == SAMPLE_DIGESTS[name]
+    assert landed.entry.location.startswith(f"s3://{bucket}/store/datasets/lobster/")
+    assert storage.sha256_hex(storage.read_bytes(landed.entry.location)) == SAMPLE_DIGESTS[name]
+    assert catalog.intact(landed.entry)
+    again = land_lobster(catalog, f"s3://{bucket}/store", lobster_dir / name, site="s3")
+    assert again[0].status == "unchanged"
+    assert [p for p in fs.find(bucket) if storage.TMP_MARK in p] == []
+    assert [p for p in Path(tempfile.gettempdir()).glob(f"{storage.TMP_MARK}*.parquet")] == []

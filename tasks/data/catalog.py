@@ -16,7 +16,7 @@ import itertools
 import os
 import sqlite3
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -155,25 +155,76 @@ class Catalog:
     ) -> Landed:
         """Write `table` as the partition's content-addressed file and record it."""
         data = storage.parquet_bytes(table)
-        digest = storage.sha256_hex(data)
-        location = storage.join(root, "datasets", dataset, partition.path, f"{digest}.parquet")
+        return self._land(
+            dataset, partition, storage.sha256_hex(data), len(data), table.num_rows,
+            levels_of(table.schema), lambda location: storage.write_bytes_atomic(location, data),
+            root=root, site=site, source=source,
+        )  # fmt: skip
+
+    def stage(
+        self, dataset: str, partition: Partition, schema: pa.Schema, *, root: str
+    ) -> storage.ParquetStream:
+        """A partition's file to write block by block (a day too large to hold as a table),
+        under a temporary name in the partition's folder; `land_stream` lands it once it
+        is whole, its `discard` drops it."""
+        return storage.ParquetStream(self._folder(root, dataset, partition), schema)
+
+    def land_stream(
+        self,
+        dataset: str,
+        partition: Partition,
+        written: storage.ParquetStream,
+        *,
+        root: str,
+        site: str = "local",
+        source: str = "",
+    ) -> Landed:
+        """Land a partition written block by block (`stage`), as `land` lands a table:
+        the same bytes, so the same digest, for the same rows."""
+        try:
+            digest, size = written.finish()
+            return self._land(dataset, partition, digest, size, written.rows,
+                              levels_of(written.schema), written.publish, root=root, site=site,
+                              source=source)  # fmt: skip
+        finally:
+            written.discard()  # unpublished (unchanged, or a failure): its temporary file
+
+    @staticmethod
+    def _folder(root: str, dataset: str, partition: Partition) -> str:
+        return storage.join(root, "datasets", dataset, partition.path)
+
+    def _land(
+        self,
+        dataset: str,
+        partition: Partition,
+        digest: str,
+        size: int,
+        rows: int,
+        levels: int,
+        write: Callable[[str], None],
+        *,
+        root: str,
+        site: str,
+        source: str,
+    ) -> Landed:
+        location = storage.join(self._folder(root, dataset, partition), f"{digest}.parquet")
         previous = self.get(dataset, partition)
         if previous is not None and previous.digest == digest and self.intact(previous):
             return Landed(previous, "unchanged")
         if not storage.exists(location) or not self._intact_at(location, digest):
             # absent, or its bytes no longer hash to the digest: landing the same source
             # again repairs a corrupted partition
-            storage.write_bytes_atomic(location, data)
+            write(location)
         entry = Entry(
             dataset=dataset,
             partition=partition,
             digest=digest,
-            rows=table.num_rows,
-            bytes=len(data),
-            levels=levels_of(table.schema),
+            rows=rows,
+            bytes=size,
+            levels=levels,
             location=location,
             offset=0,
-            length=len(data),
+            length=size,
             site=site,
             source=source,
         )
@@ -238,17 +289,15 @@ class Catalog:
     @staticmethod
     def _intact_at(location: str, digest: str) -> bool:
         try:
-            return storage.sha256_hex(storage.read_bytes(location)) == digest
+            return storage.sha256_range(location) == digest
         except OSError:
             return False
 
     def intact(self, entry: Entry) -> bool:
         """Whether the stored bytes of an entry are there and still have its digest."""
         try:
-            return (
-                storage.sha256_hex(storage.read_range(entry.location, entry.offset, entry.length))
-                == entry.digest
-            )
+            # read a block at a time: a landed LOBSTER day can be hundreds of MB
+            return storage.sha256_range(entry.location, entry.offset, entry.length) == entry.digest
         except OSError:
             return False
 

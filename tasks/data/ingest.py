@@ -9,10 +9,12 @@ first thing anyone does with a bad file is open it at that line.
 
 Reading is streamed: both files of a day are parsed `IngestLimits.block_bytes` at a
 time and checked row by row together, so checking a day (`scan_lobster`) holds a block
-of each file whatever their size, and finding a bad line looks only inside its block.
-A zip member is refused from its declared size and compression ratio before a byte of
-it is inflated, and inflating stops at the size it declared (a 2 MB zip of 2 GiB of
-NUL bytes was read whole and took 16 GiB to locate its "bad line").
+of each file whatever their size, and finding a bad line looks only inside its block;
+`stream_lobster` hands the checked blocks on as they are read (landing writes them into
+the day's Parquet file), `read_lobster` keeps them as a table. A zip member is refused
+from its declared size and compression ratio before a byte of it is inflated, and
+inflating stops at the size it declared (a 2 MB zip of 2 GiB of NUL bytes was read whole
+and took 16 GiB to locate its "bad line").
 
 `validate_book` holds the order-book invariants; ingest and the synthetic
 generator both run it, so the two sources cannot drift apart.
@@ -28,7 +30,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -224,28 +226,76 @@ def find_lobster(folder: str | Path, *, recursive: bool = False) -> list[Path]:
     return sorted(found)
 
 
+class DaySink(Protocol):
+    """Where a day's rows go as they are read and checked (`stream_lobster`)."""
+
+    def write(self, block: pa.Table) -> None:
+        """The next rows of the day, in `book_schema(levels)`."""
+
+    def discard(self) -> None:
+        """The day failed (or is read again from its start): drop what was written."""
+
+
+# (partition, levels, source) of a day about to be read -> its sink, or None to check only
+SinkFor = Callable[[Partition, int, str], DaySink | None]
+
+
 def read_lobster(path: str | Path, *, limits: IngestLimits | None = None) -> list[LobsterDay]:
     """Read a LOBSTER zip, a message CSV (orderbook CSV beside it) or a folder of those.
 
     limits: what reading may cost; default `IngestLimits.from_env()`."""
-    return _days(Path(path), limits or IngestLimits.from_env(), keep=True)  # type: ignore[return-value]
+    days = stream_lobster(path, lambda *_: _Columns(), limits=limits)
+    return [LobsterDay(product=d.product, date=d.date, levels=d.levels, rows=d.rows,
+                       source=d.source, halts=d.halts, table=sink.table(book_schema(d.levels)))
+            for d, sink in days if isinstance(sink, _Columns)]  # fmt: skip
 
 
 def scan_lobster(path: str | Path, *, limits: IngestLimits | None = None) -> list[ScannedDay]:
     """Check what `read_lobster` reads, row by row, keeping no table: memory is a block of
     each file, whatever the size of the day."""
-    return _days(Path(path), limits or IngestLimits.from_env(), keep=False)
+    return [day for day, _ in stream_lobster(path, lambda *_: None, limits=limits)]
 
 
-def _days(path: Path, limits: IngestLimits, keep: bool) -> list[ScannedDay]:
+def stream_lobster(
+    path: str | Path, sink_for: SinkFor, *, limits: IngestLimits | None = None
+) -> list[tuple[ScannedDay, DaySink | None]]:
+    """Read and check what `read_lobster` reads, handing each day's rows, a block at a time,
+    to the sink `sink_for(partition, levels, source)` gives it (None: checked only). A day
+    that fails is discarded from its sink before the error is raised; the sinks of days
+    read before it in the same file are the caller's to drop. Memory: a block of each
+    file, besides what the sinks keep."""
+    return _days(Path(path), limits or IngestLimits.from_env(), sink_for)
+
+
+class _Columns:
+    """A sink that keeps a day's blocks, for `read_lobster`'s table."""
+
+    def __init__(self) -> None:
+        self.blocks: list[pa.Table] = []
+
+    def write(self, block: pa.Table) -> None:
+        self.blocks.append(block)
+
+    def discard(self) -> None:
+        self.blocks = []
+
+    def table(self, schema: pa.Schema) -> pa.Table:
+        columns = [[b.column(i).chunk(0) for b in self.blocks] for i in range(len(schema))]
+        self.blocks = []
+        return _one_chunk(columns, schema)
+
+
+def _days(
+    path: Path, limits: IngestLimits, sink_for: SinkFor
+) -> list[tuple[ScannedDay, DaySink | None]]:
     if path.is_dir():
-        return [day for p in find_lobster(path) for day in _days(p, limits, keep)]
+        return [day for p in find_lobster(path) for day in _days(p, limits, sink_for)]
     if (err := _dangling(path)) is not None:
         raise err
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     if path.suffix.lower() == ".zip":
-        return _read_zip(path, limits, keep)
+        return _read_zip(path, limits, sink_for)
     parsed = _parse_name(path.name, str(path))
     if parsed is None:
         raise DataValidationError(
@@ -261,10 +311,12 @@ def _days(path: Path, limits: IngestLimits, keep: bool) -> list[ScannedDay]:
             raise FileNotFoundError(f"{p}: missing; LOBSTER {kind} file {path} needs it beside it")
     msg = _Source(_named(msg_path), lambda: msg_path.open("rb"))
     ob = _Source(_named(ob_path), lambda: ob_path.open("rb"))
-    return [_read_day(msg, ob, name, limits, keep)]
+    return [_read_day(msg, ob, name, limits, sink_for)]
 
 
-def _read_zip(path: Path, limits: IngestLimits, keep: bool) -> list[ScannedDay]:
+def _read_zip(
+    path: Path, limits: IngestLimits, sink_for: SinkFor
+) -> list[tuple[ScannedDay, DaySink | None]]:
     zip_name = _named(path)
     try:
         with zipfile.ZipFile(path) as zf:
@@ -290,7 +342,7 @@ def _read_zip(path: Path, limits: IngestLimits, keep: bool) -> list[ScannedDay]:
                     _member(zf, infos[partner], f"{zip_name}!{partner}"),
                     name,
                     limits,
-                    keep,
+                    sink_for,
                 )
                 for member, partner, name in pairs
             ]
@@ -542,24 +594,38 @@ class _OpensHalted(Exception):
 
 
 def _read_day(
-    msg: _Source, ob: _Source, name: _Name, limits: IngestLimits, keep: bool
-) -> ScannedDay:
+    msg: _Source, ob: _Source, name: _Name, limits: IngestLimits, sink_for: SinkFor
+) -> tuple[ScannedDay, DaySink | None]:
     # Whether the day opens inside a halt shows only at its first type-7 marker, which can
-    # be blocks in; read as if not, and read again in the rare case it does.
-    try:
-        return _stream_day(msg, ob, name, limits, keep, opens_halted=False)
-    except _OpensHalted:
-        return _stream_day(msg, ob, name, limits, keep, opens_halted=True)
+    # be blocks in; read as if not, and read again (into a new sink) in the rare case it does.
+    for opens_halted in (False, True):
+        sink = sink_for(Partition(name.ticker, name.date), name.levels, msg.name)
+        try:
+            return _stream_day(msg, ob, name, limits, sink, opens_halted=opens_halted), sink
+        except _OpensHalted:
+            if sink is not None:
+                sink.discard()
+            if opens_halted:
+                raise
+        except BaseException:
+            if sink is not None:
+                sink.discard()
+            raise
+    raise AssertionError("unreachable")
 
 
 def _stream_day(
-    msg: _Source, ob: _Source, name: _Name, limits: IngestLimits, keep: bool, opens_halted: bool
+    msg: _Source,
+    ob: _Source,
+    name: _Name,
+    limits: IngestLimits,
+    sink: DaySink | None,
+    opens_halted: bool,
 ) -> ScannedDay:
     block = limits.block_bytes
     messages = _Rows(_csv_tables(msg, _MESSAGE_TYPES, block))
     books = _Rows(_csv_tables(ob, [pa.int64()] * (4 * name.levels), block))
     schema = book_schema(name.levels)
-    columns: list[list[pa.Array]] = [[] for _ in schema]  # the table's, block by block
     row, last_time, halts = 0, None, 0
     state = opens_halted  # halted after the last type-7 marker so far
     last_halted, marker_seen = False, opens_halted
@@ -585,12 +651,11 @@ def _stream_day(
         marker_seen = marker_seen or bool(len(markers))
         state, last_halted = state_after, bool(halted[-1])
         last_time, row = float(msgs["time"][-1]), row + n
-        if keep:
+        if sink is not None:
             arrays = [pa.array(msgs[f.name]).cast(f.type) for f in MESSAGE_FIELDS]
             arrays += [pa.array(v, mask=~present) for v, present in book.values()]
             arrays.append(pa.array(halted))
-            for parts, array in zip(columns, arrays, strict=True):
-                parts.append(array)
+            sink.write(pa.Table.from_arrays(arrays, schema=schema))
     m_rows, b_rows = messages.count_rest(), books.count_rest()
     if m_rows != b_rows:
         raise DataValidationError(
@@ -599,17 +664,14 @@ def _stream_day(
         )
     info = dict(product=name.ticker, date=name.date, levels=name.levels, rows=row,
                 source=msg.name, halts=halts)  # fmt: skip
-    if keep:
-        return LobsterDay(**info, table=_one_chunk(columns, schema))
     return ScannedDay(**info)
 
 
 def _one_chunk(columns: list[list[pa.Array]], schema: pa.Schema) -> pa.Table:
-    """The table of a day's blocks, one chunk per column: the Parquet bytes, so the catalog's
-    digests, differ between chunkings (the samples' landed digests stay as they were).
-    A column's blocks are dropped as it is joined; still, reading a day that is landed
-    peaks at ~2.4x its table (a 490 MB table: 1.17 GB, bench/results/bad-input-large.md),
-    since the catalog lands whole tables and freed blocks stay with the allocators."""
+    """The table of a day's blocks, one chunk per column, as landing's Parquet row groups
+    are (storage.ParquetStream): chunk boundaries move Parquet's page boundaries, so the
+    digests. A column's blocks are dropped as it is joined. Landing does not hold the
+    table (landing.land_lobster streams each day into its file)."""
     joined = []
     for i, f in enumerate(schema):
         parts, columns[i] = columns[i], []

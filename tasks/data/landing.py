@@ -20,10 +20,12 @@ from quantloop.tasks.data.ingest import (
     find_lobster,
     read_lobster,
     scan_lobster,
+    stream_lobster,
 )
-from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.data.schema import Partition, book_schema
 from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
 from quantloop.tasks.engine import code_fingerprint, sha256_json
+from quantloop.tasks.engine.storage import ParquetStream
 
 log = logging.getLogger(__name__)
 
@@ -127,38 +129,67 @@ def land_lobster(
     LOBSTER ships one file per depth for the same ticker and day; a deeper file
     holds every message of a shallower one (the shallower only drops messages
     beyond its levels), so for each (ticker, date) the deepest file is landed and
-    the others are reported as superseded.
+    the others are reported as superseded (checked, not written).
 
-    Every file is checked (streamed, no table kept) before anything lands; then each
-    landed day is read again and landed before the next is read, so a folder costs one
-    day's table at a time, not all of them (a second pass over the files: bench/bad_input.py).
+    One pass over the files: each day is checked and written into its Parquet file a
+    block at a time (Catalog.stage), so memory is a row group of the file (1024 * 1024
+    rows), not the day, and each file is read once (checking first, then landing, read
+    it twice). Nothing is recorded until every file is read: a bad file anywhere lands
+    nothing (its own day's file and the ones written before it are removed; the files
+    after it are only checked), and the error lists every bad file.
     """
-    days = scan_lobster_folder(folder, limits=limits)
-    deepest: dict[Partition, ScannedDay] = {}
-    for day in days:
-        part = Partition(day.product, day.date)
-        if part not in deepest or day.levels > deepest[part].levels:
-            deepest[part] = day
-    for day in days:
-        chosen = deepest[Partition(day.product, day.date)]
-        if chosen is not day:
-            line = (
-                f"{day.source} ({day.levels} levels) superseded by {chosen.source} "
-                f"({chosen.levels} levels) for {day.product}/{day.date}"
-            )
-            log.warning(line)
-            if note:
-                note(line)
-    files = find_lobster(folder) if Path(folder).is_dir() else [Path(folder)]
-    landed = []
-    for f in files:  # one file's days held at a time
-        for day in read_lobster(f, limits=limits):
-            part = Partition(day.product, day.date)
-            if deepest[part].source != day.source:
-                continue  # superseded, reported above
-            landed.append(
-                catalog.land(dataset, part, day.table, root=root, site=site, source=day.source)
-            )
+    staged: dict[Partition, tuple[ScannedDay, ParquetStream]] = {}
+    opened: list[ParquetStream] = []
+    failed = False
+
+    def sink_for(part: Partition, levels: int, source: str) -> ParquetStream | None:
+        held = staged.get(part)
+        if failed or (held is not None and held[0].levels >= levels):
+            return None  # a bad file seen (nothing will land), or not the deepest: checked only
+        opened.append(catalog.stage(dataset, part, book_schema(levels), root=root))
+        return opened[-1]
+
+    def read(f: Path) -> list[ScannedDay]:
+        nonlocal failed
+        try:
+            days = stream_lobster(f, sink_for, limits=limits)
+        except DataValidationError:
+            failed = True
+            raise
+        for day, sink in days:
+            if isinstance(sink, ParquetStream):
+                held = staged.get(day.partition)
+                if held is None or day.levels > held[0].levels:  # the first of the deepest
+                    if held is not None:
+                        held[1].discard()
+                    sink.finish()  # its last rows written out: a folder costs a row group
+                    staged[day.partition] = (day, sink)
+                else:
+                    sink.discard()
+        return [day for day, _ in days]
+
+    try:
+        days = _each_file(folder, read)
+        for day in days:
+            chosen = staged[day.partition][0]
+            if chosen is not day:
+                line = (
+                    f"{day.source} ({day.levels} levels) superseded by {chosen.source} "
+                    f"({chosen.levels} levels) for {day.product}/{day.date}"
+                )
+                log.warning(line)
+                if note:
+                    note(line)
+        landed = []
+        for part in sorted(staged):
+            day, written = staged[part]
+            landed.append(catalog.land_stream(dataset, part, written, root=root, site=site,
+                                              source=day.source))  # fmt: skip
             if progress:
-                progress(len(landed), len(deepest))
-    return sorted(landed, key=lambda x: x.entry.partition)
+                progress(len(landed), len(staged))
+        return landed
+    finally:
+        # What did not land (a failure, a superseded day), newest first: each removes the
+        # folders it made, once empty, so a refused folder leaves the store as it was.
+        for written in reversed(opened):
+            written.discard()

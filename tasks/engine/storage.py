@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import io
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -150,6 +151,27 @@ def read_bytes(url: str) -> bytes:
         return fs.cat_file(path)
 
 
+def sha256_range(url: str, offset: int = 0, length: int | None = None) -> str:
+    """The sha256 of a file, or of `length` bytes of it from `offset`, read 8 MiB at a time:
+    checking a landed day costs a block, not the file."""
+    sha, block = hashlib.sha256(), 8 << 20
+    fs, path = filesystem(url)
+    with contextlib.ExitStack() as stack:
+        if not is_local(fs):
+            stack.enter_context(_naming(url, "read"))
+        f = stack.enter_context(open(path, "rb") if is_local(fs) else fs.open(path, "rb"))
+        f.seek(offset)
+        left = length
+        while left is None or left > 0:
+            data = f.read(block if left is None else min(block, left))
+            if not data:
+                break
+            sha.update(data)
+            if left is not None:
+                left -= len(data)
+    return sha.hexdigest()
+
+
 def size(url: str) -> int:
     fs, path = filesystem(url)
     with _naming(url, "size"):
@@ -164,12 +186,178 @@ def exists(url: str) -> bool:
         return fs.exists(path)
 
 
+# The writer settings of every Parquet file stored here: a change changes every digest.
+_PARQUET_OPTIONS: dict[str, Any] = {"compression": "zstd", "write_statistics": True,
+                                    "store_schema": True}  # fmt: skip
+# pyarrow's row group size when none is given (write_table's row_group_size=None: at most
+# 1024 * 1024 rows): the row groups of every landed day so far, which ParquetStream keeps.
+PARQUET_ROW_GROUP_ROWS = 1024 * 1024
+
+
 def parquet_bytes(table: pa.Table, row_group_size: int | None = None) -> bytes:
     """Parquet bytes with fixed writer settings, so equal tables give equal digests."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd", write_statistics=True, store_schema=True,
-                   row_group_size=row_group_size)  # fmt: skip
+    pq.write_table(table, sink, row_group_size=row_group_size, **_PARQUET_OPTIONS)
     return sink.getvalue()
+
+
+class _Hashed:
+    """A binary file that hashes what is written to it (the Parquet writer only appends)."""
+
+    def __init__(self, file: io.BufferedWriter):
+        self._file, self.sha256, self.size, self.closed = file, hashlib.sha256(), 0, False
+        self.dropped = (
+            False  # discarded: the writer's footer, written as it is closed, goes nowhere
+        )
+
+    def write(self, data: bytes) -> int:
+        if self.dropped:
+            return len(data)
+        self._file.write(data)
+        self.sha256.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:  # the writer closes its sink; the file is closed by its owner
+        self.closed = True
+
+
+class ParquetStream:
+    """A Parquet file written block by block, byte for byte what `parquet_bytes` writes for
+    the whole table, so the same digest: the same settings and the same row groups (the
+    blocks are gathered into row groups of `row_group_size` rows, each column joined into
+    one chunk, as a whole table's one-chunk columns are sliced). Chunk boundaries inside
+    a row group would move its page boundaries, hence the join. What it holds is one row
+    group's rows (a 1-level LOBSTER row: 66 bytes; 1024 * 1024 of them: 69 MB), never the
+    file.
+
+    Written under a temporary name in `folder` (a remote store: a local temporary file),
+    hashed as it is written; `publish(url)` renames it into place (uploads it), `discard()`
+    removes it and any folder it created. Nothing is under a final name before publish.
+    """
+
+    def __init__(
+        self, folder: str, schema: pa.Schema, row_group_size: int = PARQUET_ROW_GROUP_ROWS
+    ):
+        if row_group_size < 1:
+            raise ValueError(f"ParquetStream row_group_size must be >= 1, got {row_group_size}")
+        self.folder, self.schema, self.row_group_size = folder, schema, row_group_size
+        self.rows = 0
+        self.digest: str | None = None  # set by finish()
+        self.size = 0
+        self._pending: list[list[pa.Array]] = [[] for _ in schema]
+        self._pending_rows = 0
+        self._tmp: str | None = None
+        self._created: list[str] = []  # folders this stream made, deepest last
+        self._file: io.BufferedWriter | None = None
+        self._hashed: _Hashed | None = None
+        self._writer: pq.ParquetWriter | None = None
+
+    def write(self, block: pa.Table) -> None:
+        """Append rows (a table or record batch of `schema`)."""
+        if self.digest is not None:
+            raise RuntimeError("ParquetStream.write after finish")
+        if not block.schema.equals(self.schema):
+            raise ValueError(f"block schema differs from the stream's:\n{block.schema}")
+        taken = 0
+        while taken < block.num_rows:
+            n = min(block.num_rows - taken, self.row_group_size - self._pending_rows)
+            part = block.slice(taken, n)
+            for parts, column in zip(self._pending, part.columns, strict=True):
+                parts.extend(column.chunks if isinstance(column, pa.ChunkedArray) else [column])
+            self._pending_rows += n
+            taken += n
+            if self._pending_rows == self.row_group_size:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._writer is None:
+            self._open()
+        joined = []
+        for i, field in enumerate(self.schema):  # a column's blocks dropped as it is joined
+            parts, self._pending[i] = self._pending[i], []
+            joined.append(pa.concat_arrays(parts) if parts else pa.array([], field.type))
+        table = pa.Table.from_arrays(joined, schema=self.schema)
+        del joined
+        assert self._writer is not None
+        self._writer.write_table(table, row_group_size=self.row_group_size)
+        self.rows += table.num_rows
+        self._pending_rows = 0
+
+    def _open(self) -> None:
+        fs, path = filesystem(self.folder)
+        name = f"{TMP_MARK}{uuid.uuid4().hex}.parquet"
+        if is_local(fs):
+            missing, folder = [], path
+            while not os.path.isdir(folder):
+                missing.append(folder)
+                folder = os.path.dirname(folder)
+            os.makedirs(path, exist_ok=True)
+            self._created = missing[::-1]
+            self._tmp = os.path.join(path, name)
+        else:  # published with one upload, visible only once complete
+            self._tmp = os.path.join(tempfile.gettempdir(), name)
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed by finish or discard
+        self._hashed = _Hashed(self._file)
+        self._writer = pq.ParquetWriter(self._hashed, self.schema, **_PARQUET_OPTIONS)
+
+    def finish(self) -> tuple[str, int]:
+        """Write what is held and the footer; returns (sha256, size) of the file."""
+        if self.digest is None:
+            if self._pending_rows or self._writer is None:
+                self._flush()  # the last row group (an empty table: an empty file, as whole)
+            assert self._writer is not None and self._file is not None
+            self._writer.close()
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            assert self._hashed is not None
+            self.digest, self.size = self._hashed.sha256.hexdigest(), self._hashed.size
+        return self.digest, self.size
+
+    def publish(self, url: str) -> None:
+        """Put the finished file at `url` (atomically: a rename, or one upload)."""
+        self.finish()
+        assert self._tmp is not None
+        fs, path = filesystem(url)
+        if is_local(fs):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.replace(self._tmp, path)
+        else:
+            with _naming(url, "write"):
+                fs.put_file(self._tmp, path)
+            os.remove(self._tmp)
+        self._tmp, self._created = None, []
+
+    def discard(self) -> None:
+        """Remove the temporary file (and the folders made for it); a no-op once published."""
+        if self._writer is not None and self.digest is None:
+            assert self._hashed is not None
+            self._hashed.dropped = True
+            self._writer.close()
+        self._writer = None
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+        if self._tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._tmp)
+            self._tmp = None
+        for folder in reversed(self._created):  # only if still empty: another may use it
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+        self._created = []
+        self._pending = [[] for _ in self.schema]
 
 
 def write_parquet_atomic(
