@@ -97,15 +97,19 @@ def screenshots(uri: str, run_id: str) -> None:
     from mlflow import MlflowClient
     from playwright.sync_api import sync_playwright
 
+    from quantloop.blocks.tracking import MODEL_TRAINING_VIEW
+
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     experiment = run.info.experiment_id
-    versions = client.search_model_versions("name = 'quantloop-orderbook'")
-    version = min(versions, key=lambda v: int(v.version))
+    # The run's own version: research runs register in the candidates model
+    # (quantloop-orderbook-candidates), not the guarded one, and tag the run with it.
+    model, version = run.data.tags["registered_model"], run.data.tags["model_version"]
+    view = MODEL_TRAINING_VIEW  # else MLflow 3.17's UI opens the experiment's GenAI view
     pages = {
-        "mlflow-runs": f"{uri}/#/experiments/{experiment}/runs",
-        "mlflow-run": f"{uri}/#/experiments/{experiment}/runs/{run_id}",
-        "mlflow-model": f"{uri}/#/models/quantloop-orderbook/versions/{version.version}",
+        "mlflow-runs": f"{uri}/#/experiments/{experiment}/runs?{view}",
+        "mlflow-run": f"{uri}/#/experiments/{experiment}/runs/{run_id}?{view}",
+        "mlflow-model": f"{uri}/#/models/{model}/versions/{version}",
     }
     docs = ROOT / "docs"
     with sync_playwright() as pw:
