@@ -82,16 +82,27 @@ class MlflowTracking(Block):
             return prefix + os.path.abspath(self.tracking_uri[len(prefix) :])
         return self.tracking_uri
 
-    def run_url(self, experiment_id: str, run_id: str) -> str | None:
-        """A run's page in the MLflow UI, or None when no UI is known for this store."""
+    def ui_base(self) -> str | None:
+        """The MLflow UI's address, or None when no UI is known for this store."""
         base = self.ui_url or (
             self.tracking_uri if self.tracking_uri.startswith(("http://", "https://")) else None
         )
+        return base.rstrip("/") if base else None
+
+    def experiment_url(self, experiment_id: str) -> str | None:
+        """An experiment's runs in the MLflow UI's model-training view, or None when no UI
+        is known for this store."""
+        base = self.ui_base()
         if base is None:
             return None
-        return (
-            f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
-        )
+        return f"{base}/#/experiments/{experiment_id}/runs?{MODEL_TRAINING_VIEW}"
+
+    def run_url(self, experiment_id: str, run_id: str) -> str | None:
+        """A run's page in the MLflow UI, or None when no UI is known for this store."""
+        base = self.ui_base()
+        if base is None:
+            return None
+        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
 
     def resolved_artifact_location(self) -> str | None:
         if self.artifact_location:

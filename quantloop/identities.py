@@ -187,11 +187,12 @@ def _ok(what: str, status: int, answer: dict, *also: str) -> None:
         raise AuthError(f"MLflow setup: {what}: HTTP {status} {answer.get('message', '')}")
 
 
-def setup(url: str, creds: Credentials, *, models: tuple[str, str], experiment: str) -> None:
+def setup(url: str, creds: Credentials, *, models: tuple[str, str], experiment: str) -> str:
     """On a basic-auth MLflow server at `url`: the admin's password as in `creds` (changed
     from the previous one after a rotation), the researcher and promoter users with their
     passwords, the guarded and candidates models and the served experiment, and the
-    grants of the module's docstring. Idempotent: each start runs it."""
+    grants of the module's docstring; returns the experiment's id. Idempotent: each start
+    runs it."""
     admin = creds.admin
     status, answer = _call(url, admin, f"/api/2.0/mlflow/users/get?username={admin.username}")
     if status == 401 and creds.previous_admin_password:
@@ -247,3 +248,4 @@ def setup(url: str, creds: Credentials, *, models: tuple[str, str], experiment: 
             status, answer = _call(url, admin, "/api/3.0/mlflow/users/permissions/grant",
                                    {**which, "permission": permission})  # fmt: skip
         _ok(f"{permission} on {kind} {resource} for {who.username}", status, answer)
+    return experiment_id

@@ -289,12 +289,20 @@ class Stack:
     services: list[Service]
     timings: dict[str, float]
     deployments: dict[str, str]
+    experiment_id: str | None = None  # the served experiment's, once MLflow has it
 
     def urls(self) -> dict[str, str]:
+        from quantloop.blocks.tracking import MODEL_TRAINING_VIEW, MlflowTracking
+
+        # The experiment's page in the model-training view: MLflow 3.17's UI opens its
+        # GenAI view otherwise (blocks/tracking.py).
+        served = MlflowTracking(tracking_uri=self.config.mlflow_url)
+        mlflow = (served.experiment_url(self.experiment_id) if self.experiment_id
+                  else f"{self.config.mlflow_url}/#/experiments?{MODEL_TRAINING_VIEW}")  # fmt: skip
         return {
             "Prefect UI": self.config.prefect_url,
             "Prefect API": self.config.api_url,
-            "MLflow UI": self.config.mlflow_url,
+            "MLflow UI": mlflow,
         }
 
 
@@ -423,18 +431,20 @@ def register_blocks() -> None:
         block.register_type_and_schema()
 
 
-def setup_identities(cfg: StackConfig, creds: Credentials) -> None:
+def setup_identities(cfg: StackConfig, creds: Credentials) -> str:
     """Once MLflow is up: its users, registered models and grants (quantloop/identities.py),
     as its admin; then the researcher's and the promoter's tracking blocks, saved under
-    the names the deployments' workspaces give (their passwords as SecretStr)."""
+    the names the deployments' workspaces give (their passwords as SecretStr). Returns
+    the served experiment's id."""
     from pydantic import SecretStr
 
     from quantloop import identities
     from quantloop.blocks import MlflowTracking
 
     served = MlflowTracking(tracking_uri=cfg.mlflow_url, ui_url=cfg.mlflow_url)
-    identities.setup(cfg.mlflow_url, creds, experiment=served.experiment,
-                     models=(served.registered_model, served.candidates))  # fmt: skip
+    models = (served.registered_model, served.candidates)
+    experiment_id = identities.setup(cfg.mlflow_url, creds, experiment=served.experiment,
+                                     models=models)  # fmt: skip
     if creds.previous_admin_password:  # the server has the rotated one now
         creds = dataclasses.replace(creds, previous_admin_password=None)
         identities.write(cfg.state / "credentials.json", creds)
@@ -443,6 +453,7 @@ def setup_identities(cfg: StackConfig, creds: Credentials) -> None:
         served.model_copy(update={"username": who.username,
                                   "password": SecretStr(who.password)}).save(
             block_name, overwrite=True)  # fmt: skip
+    return experiment_id
 
 
 @contextlib.contextmanager
@@ -502,9 +513,10 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
         t1 = time.monotonic()
         with temporary_settings({PREFECT_API_URL: cfg.api_url, **client_auth}):
             register_blocks()
+            experiment_id = None
             if creds:
                 t2 = time.monotonic()
-                setup_identities(cfg, creds)
+                experiment_id = setup_identities(cfg, creds)
                 timings["identities_s"] = time.monotonic() - t2
             # The promote deployment records as the promoter; the others as researchers.
             found = read_deployments(cfg.prefect_file, cfg.checkout)
@@ -527,7 +539,8 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
             worker.start()
             timings.update(wait_for({"worker_s": lambda: worker_online(cfg, since)}, services, 300))
         timings["total_s"] = time.monotonic() - t0
-        yield Stack(cfg, services, timings, {name: str(i) for name, i in ids.items()})
+        yield Stack(cfg, services, timings, {name: str(i) for name, i in ids.items()},
+                    experiment_id)  # fmt: skip
 
 
 def serve_forever(cfg: StackConfig, say: Callable[[str], None] = print) -> None:

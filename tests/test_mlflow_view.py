@@ -58,3 +58,22 @@ def test_a_run_link_opens_the_runs_model_training_view(tmp_path):
             page.wait_for_url("**/model-metrics**")
             expect(page.get_by_role("dialog")).to_have_count(0)
             browser.close()
+
+
+def test_serve_prints_the_experiment_in_the_model_training_view(tmp_path):
+    """The MLflow address serve prints opens the served experiment's runs in the
+    model-training view, and before the experiment is known, a page with the view's
+    parameter still: the bare server address opened GenAI's view in a fresh browser."""
+    from quantloop.serve import Stack, StackConfig
+
+    cfg = StackConfig(home=tmp_path, mlflow_port=5311)
+    urls = Stack(cfg, [], {}, {}, experiment_id="7").urls()
+    assert urls["MLflow UI"] == (
+        "http://127.0.0.1:5311/#/experiments/7/runs?workflowType=machine_learning"
+    )
+    assert "workflowType=machine_learning" in Stack(cfg, [], {}, {}).urls()["MLflow UI"]
+    block = MlflowTracking(tracking_uri="http://mlflow.example:5000/")
+    assert block.experiment_url("3") == (
+        "http://mlflow.example:5000/#/experiments/3/runs?workflowType=machine_learning"
+    )
+    assert MlflowTracking(tracking_uri="sqlite:///x.db").experiment_url("3") is None
