@@ -256,6 +256,8 @@ def apply(
     from prefect.flows import load_flow_from_entrypoint
     from prefect.utilities.callables import parameter_schema
 
+    from quantloop.tasks.research.form import form_schema
+
     with get_client(sync_client=True) as client:
         conflicts = []
         for d in deployments:
@@ -296,7 +298,10 @@ def apply(
                     )
                     for x in d.schedules
                 ],
-                parameter_openapi_schema=parameter_schema(flow).model_dump_for_openapi(),
+                # The run form offers no 'Property is type "None"' tab (form_schema)
+                parameter_openapi_schema=form_schema(
+                    parameter_schema(flow).model_dump_for_openapi()
+                ),
                 enforce_parameter_schema=True,
             )
     return ids

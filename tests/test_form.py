@@ -297,3 +297,52 @@ def test_placement_is_a_choice_of_the_policies():
         Workspace(placement="single")
     with pytest.raises(ValidationError, match="placement"):
         Workspace.model_validate({"placement": "everywhere"})
+
+
+def deployment_schemas():
+    """(deployment, its flow's parameter schema, its parameters with what a run gives
+    itself) for every deployment of infra/prefect.yaml."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    from quantloop.deploy import PREFECT_YAML, REPO_ROOT, read_deployments
+    from quantloop.tasks.research.form import form_schema
+
+    for d in read_deployments(PREFECT_YAML):
+        flow = load_flow_from_entrypoint(str(REPO_ROOT / d.entrypoint))
+        params = dict(d.parameters)
+        if flow.name == "simulate":
+            params["model_urls"] = ["s3://bucket/models/x.pt"]  # required; given per run
+        if flow.name == "promote":
+            params["run"] = "0" * 32  # required; given per run
+        # what quantloop/deploy.py creates the deployment with
+        raw = parameter_schema(flow).model_dump_for_openapi()
+        schema = form_schema(raw)
+        # a run (run_deployment, the API) may still give null for an optional parameter
+        optional = {p: None for p, spec in raw["properties"].items()
+                    if any(b.get("type") == "null" for b in spec.get("anyOf", []))}  # fmt: skip
+        yield d.full_name, schema, params, optional
+
+
+def test_no_deployments_form_field_renders_as_type_none():
+    """Every deployment's run form, not only research's: no field offers a null branch
+    (the 'Property is type "None"' tab), and Prefect's check of a run's parameters (the
+    one it makes when a deployment's run is created) passes the deployment's parameters
+    and the form's defaults."""
+    from prefect.utilities.schema_tools.validation import validate
+
+    with_null, refused = [], []
+    for name, schema, params, optional in deployment_schemas():
+        top = [("<flow>", p, spec) for p, spec in schema["properties"].items()]
+        with_null += [f"{name}: {model}.{field}"
+                      for model, field, spec in [*top, *form_properties(schema)]
+                      if spec.get("type") == "null"
+                      or any(b.get("type") == "null" for b in spec.get("anyOf", []))]  # fmt: skip
+        defaults = {p: spec["default"] for p, spec in schema["properties"].items()
+                    if "default" in spec}  # fmt: skip
+        for values in (params, {**defaults, **params}, {**params, **optional}):
+            errors = validate(values, schema, raise_on_error=False)
+            refused += [f"{name}: {e}" for e in errors]
+            if "null" in json.dumps(defaults):
+                refused.append(f"{name}: a null default for the form to send: {defaults}")
+    assert with_null == []
+    assert refused == []

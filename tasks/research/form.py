@@ -23,6 +23,7 @@ so its words sit on its fields (tasks/data/synthetic.py), as they do on the pyda
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from collections.abc import Mapping
@@ -99,6 +100,32 @@ def without_null_branches(schema: dict[str, Any], handler: Any) -> dict[str, Any
 
     visit(schema)
     return schema
+
+
+class _Definitions:
+    """What `without_null_branches` asks of pydantic's handler, over a finished schema's
+    definitions."""
+
+    def __init__(self, definitions: dict[str, Any]):
+        self.definitions = definitions
+
+    def resolve_ref_schema(self, ref: dict[str, str]) -> dict[str, Any]:
+        return self.definitions[ref["$ref"].rsplit("/", 1)[-1]]
+
+
+def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A flow's whole parameter schema (Prefect's `parameter_schema(flow)`, as a dict)
+    without null branches, as `without_null_branches` makes a model's: a flow's own
+    keyword parameters (`parent_run_id: str | None`) and every model they refer to,
+    whether or not the model has the hook. What a deployment is created with
+    (quantloop/deploy.py), so every deployment's run form is free of them."""
+    out = copy.deepcopy(schema)
+    key = "definitions" if "definitions" in out else "$defs"
+    definitions = out.pop(key, {})
+    without_null_branches(out, _Definitions(definitions))  # follows $refs into them
+    if definitions:
+        out[key] = definitions
+    return out
 
 
 def _without_none(value: Any) -> Any:
