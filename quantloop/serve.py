@@ -51,6 +51,7 @@ from pathlib import Path
 
 import psutil
 
+from quantloop.database import SERVERS, ServerDatabases
 from quantloop.deploy import (
     PREFECT_YAML,
     REPO_ROOT,
@@ -107,6 +108,14 @@ class StackConfig:
     prefect_file: Path = PREFECT_YAML
     checkout: Path = REPO_ROOT
     auth: bool = True
+    database: str | None = dataclasses.field(default=None, repr=False)
+    """A PostgreSQL server for both servers' stores (postgresql://USER:PASSWORD@HOST:PORT/NAME:
+    databases NAME_prefect, NAME_mlflow, NAME_mlflow_auth, quantloop/database.py); None:
+    SQLite files under home. Kept out of repr: it holds a password."""
+
+    @property
+    def databases(self) -> ServerDatabases | None:
+        return ServerDatabases(self.database) if self.database else None
 
     @property
     def state(self) -> Path:
@@ -137,7 +146,10 @@ class StackConfig:
 
     @property
     def mlflow_store(self) -> str:
-        """The workspace's MLflow store: what embedded runs on this home write."""
+        """The MLflow server's store: the workspace's (what embedded runs on this home
+        write), or its database on PostgreSQL with --database."""
+        if dbs := self.databases:
+            return dbs.mlflow
         return "sqlite:///" + str(self.home / "mlflow.db")
 
     def credentials(self) -> Credentials | None:
@@ -156,7 +168,10 @@ class StackConfig:
         from quantloop import identities
 
         if not self.auth:
-            return {"home": str(self.home)}
+            # On PostgreSQL the runs record through the (open) server: its store's URL
+            # holds a password, which deployment parameters must not.
+            return {"home": str(self.home), **({"tracking_uri": self.mlflow_url}
+                                               if self.database else {})}  # fmt: skip
         block = identities.PROMOTER_BLOCK if role == PROMOTER else identities.RESEARCHER_BLOCK
         return {"home": str(self.home), "tracking": block}
 
@@ -175,7 +190,10 @@ def prefect_service(cfg: StackConfig) -> Service:
     locked = {"PREFECT_SERVER_API_AUTH_STRING": creds.prefect_auth_string} if creds else {}
     env = prefect_env(
         home,
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        # In the environment, not argv: on PostgreSQL the URL holds the password.
+        PREFECT_API_DATABASE_CONNECTION_URL=(
+            cfg.databases.prefect if cfg.databases else f"sqlite+aiosqlite:///{home / 'prefect.db'}"
+        ),
         # The UI asks this URL for the API: without it, a port other than 4200 shows
         # "Unable to connect to Prefect server".
         PREFECT_UI_API_URL=cfg.api_url,
@@ -190,12 +208,20 @@ def prefect_service(cfg: StackConfig) -> Service:
 
 
 def mlflow_service(cfg: StackConfig) -> Service:
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    # The store in the environment, not argv: on PostgreSQL its URL holds the password.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+           "MLFLOW_BACKEND_STORE_URI": cfg.mlflow_store}  # fmt: skip
     app = []
     if creds := cfg.credentials():
         ini = cfg.state / "mlflow-auth.ini"
-        ini.write_text(MLFLOW_AUTH_INI.format(db=cfg.state / "mlflow-auth.db",
-                                              user=creds.admin.username))  # fmt: skip
+        auth_db = cfg.state / "mlflow-auth.db"
+        text = MLFLOW_AUTH_INI.format(db=auth_db, user=creds.admin.username)
+        if dbs := cfg.databases:
+            # configparser reads % as interpolation: a percent-encoded password doubles it.
+            text = text.replace(f"sqlite:///{auth_db}", dbs.mlflow_auth.replace("%", "%%"))
+        ini.touch(mode=0o600)  # it may hold the database's password
+        ini.chmod(0o600)
+        ini.write_text(text)
         # The admin's password on the auth database's first start only; later ones keep
         # what the database has (a rotation changes it through the API: identities.setup).
         env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini),
@@ -206,7 +232,6 @@ def mlflow_service(cfg: StackConfig) -> Service:
     argv = [
         sys.executable, "-m", "mlflow", "server", *app,
         "--host", cfg.host, "--port", str(cfg.mlflow_port), "--workers", "1",
-        "--backend-store-uri", cfg.mlflow_store,
         "--artifacts-destination", str(cfg.home / "mlartifacts"),
     ]  # fmt: skip
     return Service("mlflow server", argv, env, cfg.logs / "mlflow-server.log")
@@ -221,8 +246,10 @@ def worker_service(cfg: StackConfig) -> Service:
         PREFECT_API_URL=cfg.api_url,
         **({"PREFECT_API_AUTH_STRING": creds.prefect_auth_string} if creds else {}),
         PREFECT_WORKER_QUERY_SECONDS="2",
-        # Summaries of runs recorded in the workspace's store link to this MLflow UI.
-        **{MLFLOW_UI_URL_ENV: cfg.mlflow_url, MLFLOW_UI_STORE_ENV: cfg.mlflow_store},
+        # Summaries of runs recorded in the workspace's store link to this MLflow UI
+        # (on PostgreSQL, the store's URL and its password stay out of the flow runs).
+        **{MLFLOW_UI_URL_ENV: cfg.mlflow_url},
+        **({} if cfg.database else {MLFLOW_UI_STORE_ENV: cfg.mlflow_store}),
     )
     argv = [sys.executable, "-m", "prefect", "worker", "start",
             "--pool", cfg.pool, "--type", "process", "--name", WORKER_NAME]  # fmt: skip
@@ -466,6 +493,10 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
     cfg.logs.mkdir(parents=True, exist_ok=True)
     protect_stores(cfg)
     clear_leftovers(cfg, say)
+    if dbs := cfg.databases:
+        created = dbs.ensure()
+        say(f"databases on {dbs.masked()}: {', '.join(dbs.name(s) for s in SERVERS)}"
+            + (f" ({', '.join(created)} created)" if created else ""))  # fmt: skip
     creds = cfg.credentials()
     prefect_auth = creds.prefect_auth_string if creds else None
     client_auth = {PREFECT_API_AUTH_STRING: prefect_auth} if creds else {}

@@ -1,4 +1,5 @@
-"""Session-wide real servers: one temporary Prefect API, one MLflow server, one S3 endpoint."""
+"""Session-wide real servers: one temporary Prefect API, one MLflow server, one S3 endpoint,
+one PostgreSQL server (on demand)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,33 @@ def s3_endpoint():
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def postgres() -> servers.PostgresServer:
+    """One PostgreSQL server for the session, started by the first test that asks (1.7 s:
+    initdb and start), stopped at the session's end (tests/servers.py)."""
+    import shutil
+    import tempfile
+
+    # Not under pytest's basetemp: every pytest session sets /tmp/pytest-of-<user> back to
+    # 700, which shuts the server's user (postgres, when the tests run as root) out of it.
+    folder = Path(tempfile.mkdtemp(prefix="quantloop-postgres-"))
+    try:
+        with servers.postgres_server(folder) as server:
+            yield server
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_db(postgres, request) -> str:
+    """A database of its own for this test on the session's PostgreSQL; its URL."""
+    import re
+
+    test = re.sub(r"[^a-z0-9_]", "_", request.node.name.lower())[:40]
+    name = f"t_{test}_{os.urandom(3).hex()}"
+    return postgres.create_database(name)
 
 
 @pytest.fixture
