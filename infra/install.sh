@@ -2,7 +2,8 @@
 # Sets up .venv with quantloop in it; README's two commands start with this.
 #   bash infra/install.sh          the package (to run flows and the CLI)
 #   bash infra/install.sh --dev    also what the tests and lint need, and Debian's
-#                                  chromium for the browser test (apt-get, as root)
+#                                  chromium for the browser test and postgresql for
+#                                  the PostgreSQL tests (apt-get, as root)
 # Without an NVIDIA GPU it installs PyTorch's CPU build first (TORCH_SPEC, default
 # torch==2.13.0, which these machines hold as a local CPU wheel); with one, pip
 # resolves pyproject's torch range to the CUDA build a GPU user wants.
@@ -39,6 +40,21 @@ if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
     echo "install: chromium is missing and apt-get needs root here: run" \
       "'sudo apt-get install chromium', or tests/test_ui.py fails saying so" \
       "(outside CI, QUANTLOOP_SKIP_BROWSER=1 skips it)" >&2
+  fi
+fi
+# tests/test_postgres.py starts its own server from initdb (tests/servers.py): Debian's
+# server binaries, under /usr/lib/postgresql/<version>/bin. Only the binaries are needed;
+# the package's own cluster, should it make one, is left alone.
+if [ -n "$extras" ] && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+  && ! command -v initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "install: installing Debian's postgresql for the PostgreSQL tests"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  else
+    echo "install: PostgreSQL's server is missing and apt-get needs root here: run" \
+      "'sudo apt-get install postgresql', or tests/test_postgres.py fails saying so" \
+      "(outside CI, QUANTLOOP_SKIP_POSTGRES=1 skips it)" >&2
   fi
 fi
 echo "install: done ($(.venv/bin/python -c 'import torch, prefect, mlflow; print(f"torch {torch.__version__}, prefect {prefect.__version__}, mlflow {mlflow.__version__}")'))"
