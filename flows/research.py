@@ -260,6 +260,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                         sim = simulate_flow([f.model_url for f in trained.folds], stage,
                                             params.simulation, parent_run_id=parent.run_id,
                                             trials=trials)  # fmt: skip
+                    healed += sim.healed_outputs  # its mark-outs and statistics
                     break
                 except DamagedOutputs as exc:
                     # The store heals itself: the damaged outputs are out of the index, so

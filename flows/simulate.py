@@ -7,6 +7,7 @@ import base64
 import contextlib
 import io
 import json
+import logging
 import time
 from dataclasses import asdict
 
@@ -39,6 +40,8 @@ from quantloop.tasks.research.stage import (
 from quantloop.tasks.runtime import progress
 from quantloop.tasks.runtime.sites import GPU, gpu_client
 
+log = logging.getLogger(__name__)
+
 
 class SimSummary(BaseModel):
     # summarize(): {product|"total": {count, and per horizon mean_bps, se_bps (HAC),
@@ -65,6 +68,8 @@ class SimSummary(BaseModel):
     worker: str = ""  # the Dask worker that replayed it ("": the flow's process, or cached)
     compute_s: float | None = None  # the replay's seconds where it ran (None: cached)
     bytes_across: int = 0  # feature outputs and model bytes read from another site
+    # stored mark-outs and statistics found damaged (size or sha256) and computed again
+    healed_outputs: int = 0
     # per fold, by its index: {window (Fold.window()), trades, baseline_trades, markout_bps
     # (the model's mean by horizon on that test window), cache_hit, simulation_key,
     # model_url}; the figures above pool every fold's test window
@@ -147,9 +152,11 @@ def simulate(
 
             sim = keyed_output(
                 site.root, "simulation", key, ".parquet",
-                load=lambda url: split_markouts(storage.read_parquet(url)),
+                load=lambda url: split_markouts(storage.decode_table(load_checked(url))),
                 compute=compute,
-                save=lambda url, merged: storage.write_parquet_atomic(url, stack_markouts(merged)),
+                save=lambda url, merged: save_checked(
+                    url, storage.parquet_bytes(stack_markouts(merged))
+                ),
             )  # fmt: skip
             across = 0 if sim.cache_hit else (
                 sum(o.blob.length for o in parts.values() if not at.holds(o.blob.url))
@@ -171,15 +178,18 @@ def simulate(
     # The statistics of these mark-outs are keyed like the mark-outs themselves (with the
     # estimators' code and the trials): a re-run reads them back instead of importing
     # arch, statsmodels and matplotlib and recomputing (3-5 s of a cached run here).
-    figures = keyed_output(
+    stats_output = keyed_output(
         site.root, "statistic",
         output_key("statistics", code=code_fingerprint(simulation, uncertainty, plots),
                    simulations=key, config=asdict(config), trials=trials),
         ".json",
-        load=lambda url: json.loads(storage.read_bytes(url)),
+        load=lambda url: json.loads(load_checked(url)),
         compute=lambda: json.loads(to_json(statistics(merged, config, trials, replayed))),
-        save=lambda url, value: storage.write_bytes_atomic(url, to_json(value).encode()),
-    ).value  # fmt: skip
+        save=lambda url, value: save_checked(url, to_json(value).encode()),
+    )  # fmt: skip
+    figures = stats_output.value
+    # stored outputs that failed their check (size, sha256) and were computed again
+    healed = sum(k.reason == "corrupt" for k in [*(sim for _, _, sim, _ in replayed), stats_output])
     model_summary, base_summary = figures["model"], figures["baseline"]
     result = SimSummary(
         model=model_summary,
@@ -200,6 +210,7 @@ def simulate(
         worker=ran["worker"],
         compute_s=ran["compute_s"],
         bytes_across=across,
+        healed_outputs=healed,
         per_fold={
             fold.index: fold_row(fold, url, sim, figures["folds"][str(fold.index)])
             for fold, url, sim, _ in replayed
@@ -275,6 +286,44 @@ def simulate(
             run.file(base64.b64decode(figures["markout_curve_png"]), "markout_curve.png")
             result.mlflow_run_id = run.run_id
     return result
+
+
+# Beside each stored mark-out and statistics file: its size and sha256, written before it,
+# so a file without one was stored before outputs had one (see load_checked).
+CHECK_SUFFIX = ".check"  # JSON: {"bytes": size, "sha256": digest}
+
+
+def save_checked(url: str, data: bytes) -> None:
+    """Store an output with its size and sha256 beside it: a later hit is checked against
+    them (a damaged file that still parses, a changed number in a JSON, is not a hit)."""
+    check = {"bytes": len(data), "sha256": storage.sha256_hex(data)}
+    storage.write_bytes_atomic(url + CHECK_SUFFIX, json.dumps(check).encode())
+    storage.write_bytes_atomic(url, data)
+
+
+def load_checked(url: str) -> bytes:
+    """A stored output's bytes, if they have the size and sha256 stored beside them; else
+    ValueError (keyed_output then computes the output again, reason "corrupt"). An output
+    stored before checks were kept is taken once as it is and its check written: the check
+    is written first, so only such an output lacks one."""
+    data = storage.read_bytes(url)
+    try:
+        check = json.loads(storage.read_bytes(url + CHECK_SUFFIX))
+    except FileNotFoundError:
+        log.info("%s has no stored check (stored before checks were kept): its check is "
+                 "written from it as it is", url)  # fmt: skip
+        storage.write_bytes_atomic(
+            url + CHECK_SUFFIX,
+            json.dumps({"bytes": len(data), "sha256": storage.sha256_hex(data)}).encode(),
+        )
+        return data
+    digest = storage.sha256_hex(data)
+    if (len(data), digest) != (check.get("bytes"), check.get("sha256")):
+        raise ValueError(
+            f"{url}: {len(data):,} bytes with sha256 {digest[:12]}, stored as "
+            f"{check.get('bytes')} bytes with {str(check.get('sha256'))[:12]}: changed or truncated"
+        )
+    return data
 
 
 def pooled(per_fold: list[dict[str, dict[str, pa.Table]]]) -> dict[str, dict[str, pa.Table]]:

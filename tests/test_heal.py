@@ -156,3 +156,57 @@ def test_a_research_rerun_heals_a_damaged_output_nothing_reads(prefect_api, tmp_
     assert (again.cache_hits, again.computed) == (2, 1)
     assert again.recomputed == {"corrupt": 1} and again.healed_outputs == 1
     assert again.model_cached  # the recomputed output has the same digest
+
+
+@pytest.mark.slow
+def test_a_damaged_cached_simulation_is_recomputed_not_a_hit(prefect_api, tmp_path):
+    """A cached simulation's stored mark-outs and statistics are checked (size, sha256)
+    before they count: a statistics JSON with a number changed (still valid JSON) and a
+    mark-out Parquet with a value changed (still a valid file) are recomputed, reported
+    as healed, and the run's figures are the true ones, not the damaged ones."""
+    import pyarrow.compute as pc
+
+    from quantloop.tasks.engine import storage
+
+    home = tmp_path / "home"
+    first = run(home)
+    root = Path(Workspace(home=str(home)).resolve_site().root)
+    [statistics] = (root / "statistics").glob("*.json")
+    figures = json.loads(statistics.read_text())
+    figures["model"]["total"]["count"] += 1000
+    statistics.write_text(json.dumps(figures))
+    markouts = sorted((root / "simulations").glob("*.parquet"))[0]
+    table = storage.read_parquet(str(markouts))
+    i = next(j for j, f in enumerate(table.schema) if f.type == "double")
+    table = table.set_column(i, table.field(i), pc.add(table.column(i), 1.0))
+    markouts.write_bytes(storage.parquet_bytes(table))
+    again = run(home)
+    assert not again.simulation_cached
+    assert again.healed_outputs == 2  # the mark-outs of one fold, the statistics
+    assert again.trades == first.trades and again.markout_bps == first.markout_bps
+    assert again.model_cached and again.cache_hits == 3  # nothing else was touched
+    healed = run(home)  # what was stored again is whole: hits
+    assert healed.simulation_cached and healed.healed_outputs == 0
+
+
+def test_a_stored_output_is_checked_against_the_size_and_digest_beside_it(tmp_path):
+    """save_checked/load_checked, what simulate stores its outputs with: a changed number
+    or a cut file fails its check; an output stored before checks were kept (no check
+    beside it) is taken once as it is, and checked from then on."""
+    from quantloop.flows.simulate import CHECK_SUFFIX, load_checked, save_checked
+
+    url = str(tmp_path / "statistics" / "k.json")
+    save_checked(url, b'{"trades": 1040}')
+    assert load_checked(url) == b'{"trades": 1040}'
+    Path(url).write_bytes(b'{"trades": 1041}')  # same size, another digest
+    with pytest.raises(ValueError, match=r"k\.json: 16 bytes with sha256 .*changed or truncated"):
+        load_checked(url)
+    Path(url).write_bytes(b'{"trades": 10')
+    with pytest.raises(ValueError, match="13 bytes"):
+        load_checked(url)
+    Path(url + CHECK_SUFFIX).unlink()  # as stored before checks were kept
+    assert load_checked(url) == b'{"trades": 10'
+    assert json.loads(Path(url + CHECK_SUFFIX).read_text())["bytes"] == 13
+    Path(url).write_bytes(b'{"trades": 11')
+    with pytest.raises(ValueError):
+        load_checked(url)
