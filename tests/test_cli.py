@@ -344,3 +344,49 @@ def test_nodes_table_on_a_terminal_fits_its_width_keeping_the_short_columns():
         for whole in ("AAA", "2026-01-05", "failed", "new", "27.40", "local"):
             assert whole in lines[-1], (width, whole)
     assert "dd571d20a821b80d" in lines[-1] and "…" in lines[-1]  # 120: the key fits, not all
+
+
+@pytest.mark.slow
+def test_run_on_a_served_home_records_through_serves_mlflow(prefect_api, mlflow_uri, tmp_path):
+    """A home that `quantloop serve` serves (its stack file names a live process and its
+    MLflow): `quantloop run` there records through that MLflow, so the run's artifacts are
+    served (mlflow-artifacts:/, loadable from another host), not written beside a SQLite
+    file on this disk, as serve's researcher, whose credentials it finds in the home. Here
+    the stack file names this test's process and the session's MLflow server (locked; its
+    user stands for the researcher), so no serve has to start."""
+    from tests.conftest import MLFLOW_PASSWORD, MLFLOW_USER
+
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    home = tmp_path / "home"
+    (home / "serve").mkdir(parents=True)
+    me = psutil.Process()
+    (home / "serve" / "stack.json").write_text(json.dumps({
+        "api_url": prefect_api, "mlflow_url": mlflow_uri, "pid": me.pid,
+        "pid_created": f"{me.create_time():.2f}", "auth": True}))  # fmt: skip
+    (home / "serve" / "credentials.json").write_text(json.dumps({"mlflow": {
+        "researcher": {"username": MLFLOW_USER, "password": MLFLOW_PASSWORD}}}))  # fmt: skip
+    params = tmp_path / "params.json"
+    params.write_text(json.dumps({
+        "data": {"products": ["SYNA"], "n_dates": 2,
+                 "synthetic": {"events_per_day": 2_000, "levels": 2, "seed": 7}},
+        "train": {"steps": 10, "batch_size": 32, "seed": 7},
+        "validation": {"folds": 1},
+    }))  # fmt: skip
+    env = servers.prefect_env(tmp_path / "prefect", PREFECT_API_URL=prefect_api)
+    env = {k: v for k, v in env.items() if not k.startswith("MLFLOW_TRACKING")}
+    exe = Path(sys.executable).with_name("quantloop")
+    proc = subprocess.run(
+        [str(exe), "run", "--params", str(params), "--home", str(home),
+         "--summary-json", str(tmp_path / "summary.json"), "--workers", "1"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-4000:]
+    assert f"MLflow: quantloop serve's at {mlflow_uri} as {MLFLOW_USER}" in console
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tracking_uri"] == mlflow_uri
+    run = MlflowClient(mlflow_uri).get_run(summary["mlflow_run_id"])
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:/"), run.info.artifact_uri
+    assert not (home / "mlflow.db").exists()  # nothing recorded beside the home

@@ -283,6 +283,32 @@ def refusal_line(code: int, uri: str, home: str | None, role: str) -> str:
     )
 
 
+def served_tracking(home: str) -> str | None:
+    """The MLflow of a running `quantloop serve` on `home`, for a command that records
+    runs there: its URL, with the researcher's credentials put in the environment (unless
+    it names its own); None when no serve runs there. Says so in one line."""
+    from quantloop.tasks.runtime.local_api import serve_mlflow
+
+    served = serve_mlflow(home)
+    if served is None:
+        return None
+    url, locked = served
+    who = ""
+    if locked and not os.environ.get("MLFLOW_TRACKING_USERNAME"):
+        from quantloop.identities import read_for
+
+        found = read_for(home, "researcher")
+        if found is None:
+            fail(f"quantloop serve runs on {home} with MLflow locked, but its credentials "
+                 "name no researcher: set MLFLOW_TRACKING_USERNAME and _PASSWORD")  # fmt: skip
+        os.environ["MLFLOW_TRACKING_USERNAME"] = found.username
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = found.password
+    if locked:
+        who = f" as {os.environ['MLFLOW_TRACKING_USERNAME']}"
+    console.print(f"MLflow: quantloop serve's at {url}{who} (it serves this home)", soft_wrap=True)
+    return url
+
+
 def records_workspace(home: str | None, tracking_uri: str | None, role: str = "researcher"):
     """The workspace a command that reads (or, with role promoter, gates) recorded runs
     uses, checked before anything starts: a local store that is not there is an error

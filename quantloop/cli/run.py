@@ -25,6 +25,7 @@ from quantloop.cli.common import (
     quiet_console,
     read_params,
     rich_table,
+    served_tracking,
     validation_errors,
 )
 
@@ -87,6 +88,16 @@ def run(
         research_params.preflight()
     except (ValueError, OSError) as exc:
         fail(str(exc), verbose=verbose, exc=exc)
+
+    # On a home that `quantloop serve` serves, record through its MLflow (as its
+    # researcher), unless the parameters or --tracking-uri name a store.
+    ws_params = research_params.workspace
+    if tracking_uri is None and ws_params.tracking is None and ws_params.tracking_uri is None:
+        served = served_tracking(ws_params.home_abs)
+        if served is not None:
+            research_params = research_params.model_copy(
+                update={"workspace": ws_params.model_copy(update={"tracking_uri": served})}
+            )
 
     timeline.TIMELINE.end(checks)
 

@@ -602,6 +602,17 @@ def serve_api(paths: Paths) -> tuple[str, str | None, str] | None:
     return url, auth, stack.get("ui_url") or url.removesuffix("/api")
 
 
+def serve_mlflow(home: str | os.PathLike) -> tuple[str, bool] | None:
+    """(MLflow URL, locked) of a running `quantloop serve` on this home, from its stack
+    file: where a run on the served home records, so its artifacts are served
+    (mlflow-artifacts:/, loadable from another host) and the server's permissions apply."""
+    stack = read_json(Paths(Path(home)).stack)
+    if not stack or _process(stack.get("pid"), stack.get("pid_created")) is None:
+        return None
+    url = stack.get("mlflow_url")
+    return (url, bool(stack.get("auth"))) if isinstance(url, str) and url else None
+
+
 @dataclasses.dataclass
 class Api:
     """The API a command uses, and how it came to it."""
