@@ -354,10 +354,10 @@ def test_run_on_a_served_home_records_through_serves_mlflow(prefect_api, mlflow_
     file on this disk, as serve's researcher, whose credentials it finds in the home. Here
     the stack file names this test's process and the session's MLflow server (locked; its
     user stands for the researcher), so no serve has to start."""
-    from tests.conftest import MLFLOW_PASSWORD, MLFLOW_USER
-
     import psutil
     from mlflow.tracking import MlflowClient
+
+    from tests.conftest import MLFLOW_PASSWORD, MLFLOW_USER
 
     home = tmp_path / "home"
     (home / "serve").mkdir(parents=True)
