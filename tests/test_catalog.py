@@ -171,22 +171,39 @@ def leftovers(root) -> list[str]:
     return [str(p) for p in Path(root).rglob("*") if storage.TMP_MARK in p.name]
 
 
-@pytest.mark.parametrize("row_group_size", [1000, 1024, 3000, 20_000])
-def test_a_stream_writes_the_bytes_of_the_whole_table(tmp_path, row_group_size):
-    """ParquetStream, fed in blocks of any size (one row, across row group boundaries),
-    writes parquet_bytes(the whole table) byte for byte, nulls and all, and hashes what it
-    wrote; nothing is under the final name before publish, nothing left after discard."""
-    table = random_book(10_000, levels=3, seed=4)
+def book_with_nulls(rows: int) -> pa.Table:
+    table = random_book(rows, levels=3, seed=4)
     prices = table.column("bid_price_3").to_numpy()
-    table = table.set_column(table.schema.get_field_index("bid_price_3"), "bid_price_3",
-                             pa.array(prices, mask=np.arange(len(prices)) % 7 == 0))  # fmt: skip
+    return table.set_column(table.schema.get_field_index("bid_price_3"), "bid_price_3",
+                            pa.array(prices, mask=np.arange(rows) % 7 == 0))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rows", "row_group_size", "blocks"),
+    [
+        (5_000, 1000, (1, 7, 1024, 5_000)),
+        (5_000, 3000, (7, 333)),
+        # pages of ~1 MB: blocks cut at the wrong rows would move page boundaries
+        (300_000, 100_000, (333, 1024, 40_000, 300_000)),
+        (300_000, 1024 * 128, (999, 65_537)),
+    ],
+)
+def test_a_stream_writes_the_bytes_of_the_whole_table(tmp_path, rows, row_group_size, blocks):
+    """ParquetStream, fed in blocks of any size (one row, across row group boundaries, of
+    several chunks), writes parquet_bytes(the whole table) byte for byte, nulls and all,
+    and hashes what it wrote; nothing is under the final name before publish, nothing is
+    left after discard."""
+    table = book_with_nulls(rows)
     whole = storage.parquet_bytes(table, row_group_size)
-    for block in (1, 333, 1024, 4096, 10_000):
-        if block == 1 and row_group_size > 1024:
-            continue  # slow, and 1000/1024 cover it
+    for block in blocks:
         stream = storage.ParquetStream(str(tmp_path / "day"), table.schema, row_group_size)
         for i in range(0, table.num_rows, block):
-            stream.write(table.slice(i, block))
+            piece = table.slice(i, block)
+            if block > 1:  # a block of two chunks, cut at an odd row
+                piece = pa.concat_tables(
+                    [piece.slice(0, block // 2 + 1), piece.slice(block // 2 + 1)]
+                )
+            stream.write(piece)
         digest, size = stream.finish()
         assert (digest, size) == (storage.sha256_hex(whole), len(whole)), block
         out = tmp_path / "day" / f"{block}.parquet"
@@ -194,7 +211,7 @@ def test_a_stream_writes_the_bytes_of_the_whole_table(tmp_path, row_group_size):
         stream.publish(str(out))
         assert out.read_bytes() == whole
     dropped = storage.ParquetStream(str(tmp_path / "new" / "deeper"), table.schema, 1000)
-    dropped.write(table)  # ten row groups written, under a temporary name
+    dropped.write(table)  # row groups written, under a temporary name
     assert len(leftovers(tmp_path / "new")) == 1
     dropped.discard()
     assert not (tmp_path / "new").exists()  # the folders it made, gone with it

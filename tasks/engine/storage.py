@@ -19,7 +19,9 @@ from functools import lru_cache
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
@@ -151,6 +153,16 @@ def read_bytes(url: str) -> bytes:
         return fs.cat_file(path)
 
 
+def _row_group_buffer(field: pa.Field, rows: int) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """A number or bool column's buffers for a row group (its values; whether each is
+    valid, for a nullable column); None for other types."""
+    kind = field.type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+        return None
+    dtype = bool if pa.types.is_boolean(kind) else kind.to_pandas_dtype()
+    return np.empty(rows, dtype), np.empty(rows, bool) if field.nullable else None
+
+
 def sha256_range(url: str, offset: int = 0, length: int | None = None) -> str:
     """The sha256 of a file, or of `length` bytes of it from `offset`, read 8 MiB at a time:
     checking a landed day costs a block, not the file."""
@@ -233,16 +245,19 @@ class _Hashed:
 
 class ParquetStream:
     """A Parquet file written block by block, byte for byte what `parquet_bytes` writes for
-    the whole table, so the same digest: the same settings and the same row groups (the
-    blocks are gathered into row groups of `row_group_size` rows, each column joined into
-    one chunk, as a whole table's one-chunk columns are sliced). Chunk boundaries inside
-    a row group would move its page boundaries, hence the join. What it holds is one row
-    group's rows (a 1-level LOBSTER row: 66 bytes; 1024 * 1024 of them: 69 MB), never the
-    file.
+    the whole table, so the same digest: the same settings, the same row groups (blocks
+    gathered into row groups of `row_group_size` rows) and one chunk per column in each,
+    as slices of a whole table's one-chunk columns are. Chunks cut elsewhere change the
+    bytes: Arrow checks a column's dictionary size (falling back to plain encoding) per
+    chunk it is handed, so a day's `time` column came out 32 kB larger from its blocks.
+
+    A number or bool column is copied block by block into one preallocated buffer of a row
+    group (so a row group is held once: a 1-level LOBSTER row is 66 bytes, 1024 * 1024 of
+    them 69 MB); another type keeps its blocks and joins them at the row group's end.
 
     Written under a temporary name in `folder` (a remote store: a local temporary file),
     hashed as it is written; `publish(url)` renames it into place (uploads it), `discard()`
-    removes it and any folder it created. Nothing is under a final name before publish.
+    removes it and any folder it made. Nothing is under a final name before publish.
     """
 
     def __init__(
@@ -254,7 +269,9 @@ class ParquetStream:
         self.rows = 0
         self.digest: str | None = None  # set by finish()
         self.size = 0
-        self._pending: list[list[pa.Array]] = [[] for _ in schema]
+        # per column: (values, valid) buffers of a row group, or None (blocks joined)
+        self._buffers: list[tuple[np.ndarray, np.ndarray | None] | None] | None = None
+        self._parts: list[list[pa.Array]] = [[] for _ in schema]
         self._pending_rows = 0
         self._tmp: str | None = None
         self._created: list[str] = []  # folders this stream made, deepest last
@@ -262,18 +279,34 @@ class ParquetStream:
         self._hashed: _Hashed | None = None
         self._writer: pq.ParquetWriter | None = None
 
-    def write(self, block: pa.Table) -> None:
+    def write(self, block: pa.Table | pa.RecordBatch) -> None:
         """Append rows (a table or record batch of `schema`)."""
         if self.digest is not None:
             raise RuntimeError("ParquetStream.write after finish")
         if not block.schema.equals(self.schema):
             raise ValueError(f"block schema differs from the stream's:\n{block.schema}")
+        if self._buffers is None:  # allocated with the first rows: a day's size is unknown
+            self._buffers = [_row_group_buffer(f, self.row_group_size) for f in self.schema]
         taken = 0
         while taken < block.num_rows:
             n = min(block.num_rows - taken, self.row_group_size - self._pending_rows)
-            part = block.slice(taken, n)
-            for parts, column in zip(self._pending, part.columns, strict=True):
-                parts.extend(column.chunks if isinstance(column, pa.ChunkedArray) else [column])
+            piece = block.slice(taken, n)
+            at = slice(self._pending_rows, self._pending_rows + n)
+            for buffer, parts, column in zip(self._buffers, self._parts, piece.columns,
+                                             strict=True):  # fmt: skip
+                chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+                if buffer is None:
+                    parts.extend(chunks)
+                    continue
+                values, valid = buffer
+                start = at.start
+                for chunk in chunks:
+                    rows = slice(start, start + len(chunk))
+                    if valid is not None:
+                        valid[rows] = chunk.is_valid().to_numpy(zero_copy_only=False)
+                        chunk = pc.fill_null(chunk, False if values.dtype == bool else 0)
+                    values[rows] = chunk.to_numpy(zero_copy_only=False)
+                    start += len(chunk)
             self._pending_rows += n
             taken += n
             if self._pending_rows == self.row_group_size:
@@ -282,15 +315,22 @@ class ParquetStream:
     def _flush(self) -> None:
         if self._writer is None:
             self._open()
-        joined = []
-        for i, field in enumerate(self.schema):  # a column's blocks dropped as it is joined
-            parts, self._pending[i] = self._pending[i], []
-            joined.append(pa.concat_arrays(parts) if parts else pa.array([], field.type))
-        table = pa.Table.from_arrays(joined, schema=self.schema)
-        del joined
+        n = self._pending_rows
+        columns = []
+        for i, field in enumerate(self.schema):
+            buffer = self._buffers[i] if self._buffers else None
+            if buffer is None:  # a column's blocks dropped as it is joined
+                parts, self._parts[i] = self._parts[i], []
+                columns.append(pa.concat_arrays(parts) if parts else pa.array([], field.type))
+                continue
+            values, valid = buffer
+            mask = None if valid is None or valid[:n].all() else ~valid[:n]
+            # numbers: the buffer itself (no copy); bools: packed into bits
+            columns.append(pa.array(values[:n], type=field.type, mask=mask))
+        table = pa.Table.from_arrays(columns, schema=self.schema)
         assert self._writer is not None
         self._writer.write_table(table, row_group_size=self.row_group_size)
-        self.rows += table.num_rows
+        self.rows += n
         self._pending_rows = 0
 
     def _open(self) -> None:
@@ -315,6 +355,7 @@ class ParquetStream:
         if self.digest is None:
             if self._pending_rows or self._writer is None:
                 self._flush()  # the last row group (an empty table: an empty file, as whole)
+            self._buffers = None  # a finished day waiting to land holds no rows
             assert self._writer is not None and self._file is not None
             self._writer.close()
             self._file.flush()
@@ -357,7 +398,7 @@ class ParquetStream:
             except OSError:
                 break
         self._created = []
-        self._pending = [[] for _ in self.schema]
+        self._buffers, self._parts = None, [[] for _ in self.schema]
 
 
 def write_parquet_atomic(
