@@ -293,6 +293,7 @@ def test_a_streamed_day_lands_on_s3_with_its_digest(s3_endpoint, tmp_path, lobst
     assert landed.entry.location.startswith(f"s3://{bucket}/store/datasets/lobster/")
     assert storage.sha256_hex(storage.read_bytes(landed.entry.location)) == SAMPLE_DIGESTS[name]
     assert catalog.intact(landed.entry)
+    assert storage.sha256_range(landed.entry.location) == SAMPLE_DIGESTS[name]  # streamed
     again = land_lobster(catalog, f"s3://{bucket}/store", lobster_dir / name, site="s3")
     assert again[0].status == "unchanged"
     assert [p for p in fs.find(bucket) if storage.TMP_MARK in p] == []
