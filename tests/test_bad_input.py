@@ -281,7 +281,9 @@ def test_the_cli_refuses_an_infinite_markout_horizon_before_any_work(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
-    assert_one_line_refusal(proc.returncode, out, "simulation.markout_horizons_s", "finite")
+    # SimConfig's own check (backtest and retrain build it too) answers first, naming the
+    # section and the field
+    assert_one_line_refusal(proc.returncode, out, "simulation: markout_horizons_s", "finite")
     assert not (tmp_path / "home").exists()
 
 
