@@ -3,7 +3,8 @@
 Partitions are immutable versions. Landing a table writes it content-addressed
 (`<root>/datasets/<dataset>/product=X/date=D/<digest>.parquet`, hive-style, so
 pyarrow.dataset reads the tree as one table) and records partition -> digest,
-rows, bytes, levels, location and site in a SQLite table. Landing the same
+rows, bytes, levels, location and site in a table: of a SQLite file (the embedded
+default) or of a PostgreSQL database (catalog_db.py: the same SQL on both). Landing the same
 content again is a no-op; landing new content for a partition records a new
 version (the old file stays, so older runs remain reproducible).
 """
@@ -14,74 +15,34 @@ import contextlib
 import datetime as dt
 import itertools
 import os
-import sqlite3
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from quantloop.tasks.data.catalog_db import Connection, Database, is_url
 from quantloop.tasks.data.schema import Partition, levels_of
 from quantloop.tasks.engine import COPIES_SCHEMA, sha256_json, storage
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS partitions (
-    dataset TEXT NOT NULL,
-    product TEXT NOT NULL,
-    date TEXT NOT NULL,
-    digest TEXT NOT NULL,
-    rows INTEGER NOT NULL,
-    bytes INTEGER NOT NULL,
-    levels INTEGER NOT NULL,
-    location TEXT NOT NULL,
-    offset INTEGER NOT NULL,
-    length INTEGER NOT NULL,
-    site TEXT NOT NULL,
-    source TEXT NOT NULL,
-    landed_at TEXT NOT NULL,
-    PRIMARY KEY (dataset, product, date)
-);
-CREATE TABLE IF NOT EXISTS versions (
-    dataset TEXT PRIMARY KEY,
-    version INTEGER NOT NULL  -- bumped by every write, in the write's transaction
-);
--- Every version ever landed (partitions keeps the current one): a run pinned to an
--- older version, a lineage or a reproduction still finds where its bytes are.
-CREATE TABLE IF NOT EXISTS history (
-    dataset TEXT NOT NULL,
-    product TEXT NOT NULL,
-    date TEXT NOT NULL,
-    digest TEXT NOT NULL,
-    rows INTEGER NOT NULL,
-    bytes INTEGER NOT NULL,
-    levels INTEGER NOT NULL,
-    location TEXT NOT NULL,
-    offset INTEGER NOT NULL,
-    length INTEGER NOT NULL,
-    site TEXT NOT NULL,
-    source TEXT NOT NULL,
-    landed_at TEXT NOT NULL,
-    PRIMARY KEY (dataset, product, date, digest)
-);
-CREATE INDEX IF NOT EXISTS history_digest ON history (digest);
--- Copies of a version at other sites (replicate): the same digest, another location.
--- The site a version landed at is its history row's; a placement reads both.
-CREATE TABLE IF NOT EXISTS replicas (
-    dataset TEXT NOT NULL,
-    product TEXT NOT NULL,
-    date TEXT NOT NULL,
-    digest TEXT NOT NULL,
-    site TEXT NOT NULL,
-    location TEXT NOT NULL,
-    offset INTEGER NOT NULL,
-    length INTEGER NOT NULL,
-    copied_at TEXT NOT NULL,
-    PRIMARY KEY (digest, site)
-);
-"""
+_COLUMNS = (
+    'dataset, product, date, digest, rows, bytes, levels, location, "offset", length,'
+    " site, source, landed_at"
+)
+_UPDATE = ", ".join(f"{c} = excluded.{c}" for c in
+                    ("rows", "bytes", "levels", "location", '"offset"', "length", "site",
+                     "source", "landed_at"))  # fmt: skip
+# INSERT OR REPLACE, as both SQLite and PostgreSQL say it
+_UPSERT_PARTITION = (f"INSERT INTO partitions ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                     f" ON CONFLICT (dataset, product, date) DO UPDATE SET"
+                     f" digest = excluded.digest, {_UPDATE}")  # fmt: skip
+_UPSERT_HISTORY = (
+    f"INSERT INTO history ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+    f" ON CONFLICT (dataset, product, date, digest) DO UPDATE SET {_UPDATE}"
+)
 
 
 def _day(cache: dict[str, dt.date], text: str) -> dt.date:
@@ -130,18 +91,27 @@ def data_digest(pairs: Iterable[tuple[str, str]]) -> str:
 
 
 class Catalog:
-    """SQLite-backed catalog; safe for several processes (WAL, short transactions)."""
+    """The partition catalog on a SQLite file (`where` a path) or a PostgreSQL database
+    (`where` a postgresql:// URL); safe for several processes, and on PostgreSQL for
+    several hosts (short transactions; catalog_db.py)."""
 
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
-            db.executescript(_SCHEMA)
+    def __init__(self, where: str | os.PathLike[str]):
+        if is_url(str(where)):
+            self._db = Database(str(where))
+            # What is shown and recorded (a run's catalog tag): the URL without its password
+            self.path: Path | str = self._db.shown
+        else:
+            self.path = Path(where)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = Database(str(self.path))
+        self._db.migrate()
 
-    def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=30)
-        db.execute("PRAGMA journal_mode=WAL")
-        return db
+    @property
+    def on_postgres(self) -> bool:
+        return self._db.postgres
+
+    def _connect(self) -> contextlib.AbstractContextManager[Connection]:
+        return self._db.connect()
 
     def land(
         self,
@@ -308,10 +278,10 @@ class Catalog:
         site, url, offset, length): where it landed, and each replica."""
         with self._connect() as db:
             rows = db.execute(
-                "SELECT digest, site, location, offset, length FROM history WHERE dataset = ?"
-                " UNION SELECT digest, site, location, offset, length FROM partitions"
+                'SELECT digest, site, location, "offset", length FROM history WHERE dataset = ?'
+                ' UNION SELECT digest, site, location, "offset", length FROM partitions'
                 " WHERE dataset = ?"
-                " UNION SELECT digest, site, location, offset, length FROM replicas"
+                ' UNION SELECT digest, site, location, "offset", length FROM replicas'
                 " WHERE dataset = ? ORDER BY 1, 2",
                 (dataset, dataset, dataset),
             ).fetchall()
@@ -324,7 +294,11 @@ class Catalog:
         now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         with self._connect() as db:
             db.execute(
-                "INSERT OR REPLACE INTO replicas VALUES (?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO replicas VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT (digest, site)"
+                " DO UPDATE SET dataset = excluded.dataset, product = excluded.product,"
+                " date = excluded.date, location = excluded.location,"
+                ' "offset" = excluded."offset", length = excluded.length,'
+                " copied_at = excluded.copied_at",
                 (dataset, partition.product, partition.date.isoformat(), blob.digest, site,
                  blob.url, blob.offset, blob.length, now),
             )  # fmt: skip
@@ -377,7 +351,7 @@ class Catalog:
         with self._connect() as db:  # one transaction: the rows and their versions
             db.executemany(
                 "INSERT INTO versions VALUES (?, 1)"
-                " ON CONFLICT(dataset) DO UPDATE SET version = version + 1",
+                " ON CONFLICT(dataset) DO UPDATE SET version = versions.version + 1",
                 [(d,) for d in sorted({e.dataset for e in entries})],
             )
             rows = [
@@ -386,11 +360,8 @@ class Catalog:
                  e.source, now)
                 for e in entries
             ]  # fmt: skip
-            db.executemany(
-                "INSERT OR REPLACE INTO partitions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows
-            )
-            db.executemany("INSERT OR REPLACE INTO history VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                           rows)  # fmt: skip
+            db.executemany(_UPSERT_PARTITION, rows)
+            db.executemany(_UPSERT_HISTORY, rows)
 
     def get(self, dataset: str, partition: Partition) -> Entry | None:
         rows = self.entries(dataset, [partition])
@@ -400,10 +371,10 @@ class Catalog:
         """Entries, of any dataset, current or replaced, whose content has this digest."""
         with self._connect() as db:
             found = db.execute(
-                "SELECT dataset, product, date, digest, rows, bytes, levels, location, offset,"
+                'SELECT dataset, product, date, digest, rows, bytes, levels, location, "offset",'
                 " length, site, source FROM history WHERE digest = ?"
                 " UNION SELECT dataset, product, date, digest, rows, bytes, levels, location,"
-                " offset, length, site, source FROM partitions WHERE digest = ?"
+                ' "offset", length, site, source FROM partitions WHERE digest = ?'
                 " ORDER BY 1, 2, 3",
                 (digest, digest),
             ).fetchall()
@@ -422,11 +393,11 @@ class Catalog:
                 chunk = wanted[i : i + 500]
                 marks = ",".join("?" * len(chunk))
                 rows = db.execute(
-                    "SELECT digest, location, offset, length, 0 FROM history"
+                    'SELECT digest, location, "offset", length, 0 FROM history'
                     f" WHERE digest IN ({marks})"
-                    " UNION SELECT digest, location, offset, length, 0 FROM partitions"
+                    ' UNION SELECT digest, location, "offset", length, 0 FROM partitions'
                     f" WHERE digest IN ({marks})"
-                    " UNION SELECT digest, location, offset, length, 1 FROM replicas"
+                    ' UNION SELECT digest, location, "offset", length, 1 FROM replicas'
                     f" WHERE digest IN ({marks}) ORDER BY 5 DESC, 1, 2",
                     chunk * 3,
                 ).fetchall()
@@ -438,7 +409,7 @@ class Catalog:
         """Current entries of a dataset, all of them or those of `partitions`, sorted."""
         with self._connect() as db:
             found = db.execute(
-                "SELECT dataset, product, date, digest, rows, bytes, levels, location, offset,"
+                'SELECT dataset, product, date, digest, rows, bytes, levels, location, "offset",'
                 " length, site, source FROM partitions WHERE dataset = ? ORDER BY product, date",
                 (dataset,),
             ).fetchall()
@@ -456,6 +427,8 @@ class Catalog:
     # (one pack per product: 10^6 rows hold ~10^3 distinct locations, 120 MB as plain
     # strings here).
     TABLE_COLUMNS = ("product", "date", "digest", "location", "offset", "length")
+    _SELECT_TABLE = 'SELECT product, date, digest, location, "offset", length FROM partitions'
+
     TABLE_SCHEMA = pa.schema(
         [("product", pa.string()), ("date", pa.string()), ("digest", pa.string()),
          ("location", pa.dictionary(pa.int32(), pa.string())), ("offset", pa.int64()),
@@ -473,27 +446,26 @@ class Catalog:
         bumps the version in its own transaction, so a snapshot is never older than
         the rows.
         """
+        query = f"{self._SELECT_TABLE} WHERE dataset = ? ORDER BY product, date"
         with self._connect() as db:
-            db.execute("BEGIN")  # the version and the rows from one read snapshot
+            db.repeatable_read()  # the version and the rows from one read snapshot
+            if self.on_postgres:
+                # No snapshot file: a catalog shared by hosts has no folder of its own.
+                rows = db.execute(query, (dataset,))
+                return pa.Table.from_batches(
+                    _batches(rows, self.TABLE_SCHEMA, self._SNAPSHOT_ROWS), self.TABLE_SCHEMA
+                )
             row = db.execute(
                 "SELECT version FROM versions WHERE dataset = ?", (dataset,)
             ).fetchone()
             path = self._snapshot(dataset, row[0] if row else 0)
             with contextlib.suppress(FileNotFoundError):  # absent, or just replaced
                 return _read_snapshot(path)
-            rows = db.execute(
-                f"SELECT {', '.join(self.TABLE_COLUMNS)} FROM partitions WHERE dataset = ?"
-                " ORDER BY product, date",
-                (dataset,),
-            )
+            rows = db.execute(query, (dataset,))
             try:
                 _write_snapshot(path, rows, self.TABLE_SCHEMA, self._SNAPSHOT_ROWS)
             except OSError:  # a read-only catalog folder: serve the rows without a snapshot
-                rows = db.execute(
-                    f"SELECT {', '.join(self.TABLE_COLUMNS)} FROM partitions"
-                    " WHERE dataset = ? ORDER BY product, date",
-                    (dataset,),
-                )
+                rows = db.execute(query, (dataset,))
                 return pa.Table.from_batches(
                     _batches(rows, self.TABLE_SCHEMA, self._SNAPSHOT_ROWS), self.TABLE_SCHEMA
                 )
@@ -503,6 +475,7 @@ class Catalog:
         return _read_snapshot(path)
 
     def _snapshot(self, dataset: str, version: int) -> Path:
+        assert isinstance(self.path, Path)  # SQLite's: beside its file
         name = storage.sha256_hex(dataset.encode())[:16]
         return self.path.parent / f"{self.path.name}.snapshots" / f"{name}-{version}.arrows"
 
@@ -511,7 +484,7 @@ class Catalog:
             return [r[0] for r in db.execute("SELECT DISTINCT dataset FROM partitions")]
 
 
-def _batches(rows: sqlite3.Cursor, schema: pa.Schema, size: int) -> Iterator[pa.RecordBatch]:
+def _batches(rows: Any, schema: pa.Schema, size: int) -> Iterator[pa.RecordBatch]:
     """A query's rows as record batches of `size` rows: never all of them as tuples.
 
     A dictionary column's dictionary grows from batch to batch (each batch's is the one
@@ -532,7 +505,7 @@ def _batches(rows: sqlite3.Cursor, schema: pa.Schema, size: int) -> Iterator[pa.
         yield pa.record_batch(arrays, schema=schema)
 
 
-def _write_snapshot(path: Path, rows: sqlite3.Cursor, schema: pa.Schema, size: int) -> None:
+def _write_snapshot(path: Path, rows: Any, schema: pa.Schema, size: int) -> None:
     """An Arrow IPC file, written batch by batch under a temporary name, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{storage.TMP_MARK}{uuid.uuid4().hex}-{path.name}")
