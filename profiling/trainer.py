@@ -19,11 +19,13 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from quantloop.models import orderbook
 from quantloop.models.orderbook import ModelConfig
 from quantloop.profiling import (
     compile,
@@ -37,12 +39,15 @@ from quantloop.profiling import (
     streams,
     workload,
 )
+from quantloop.profiling.compile_cache import kept as compile_cache_kept
 from quantloop.profiling.loop import StepSettings, Training, seeded_model
 from quantloop.profiling.precision import apply_precision
 from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.profiling.rungs import Switches
 from quantloop.profiling.workload import TrainingSet, Windows
 from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.engine.keys import code_fingerprint
+from quantloop.tasks.research import training as training_module
 from quantloop.tasks.research.features import FeatureParams, feature_set
 from quantloop.tasks.research.folds import Fold, split_fold
 from quantloop.tasks.research.stage import FeatureOutput, StageParams, read_outputs
@@ -131,9 +136,12 @@ def fit_stage(
 ) -> tuple[TrainResult, str]:
     """Read the feature outputs of the fold's training part and train the fold's model:
     the train stage's work, wherever it runs. Returns the result and where it ran: the
-    Dask worker's address, or "" in the flow's process."""
+    Dask worker's address, or "" in the flow's process. A compile's kernels are kept in
+    (and looked for in) the workspace site's store, so a fresh worker does not compile
+    again (profiling/compile_cache.py)."""
     tables = read_outputs(stage, outputs)
-    result = train_on_features(tables, stage.features, fold, config, plan)
+    result = train_on_features(tables, stage.features, fold, config, plan,
+                               compile_cache=stage.workspace.resolve_site().root)  # fmt: skip
     return result, worker_address()
 
 
@@ -143,6 +151,8 @@ def train_on_features(
     fold: Fold,
     cfg: TrainConfig,
     plan: Plan,
+    *,
+    compile_cache: str | None = None,
 ) -> TrainResult:
     """What the train stage fits for `fold`: the fold's training part of the partitions'
     feature tables (tasks/research/folds.split_fold: its training dates, or the rows before an
@@ -150,7 +160,8 @@ def train_on_features(
     embargo is read), with `plan`'s rungs."""
     layout = feature_set(features)
     train_parts, _ = split_fold(tables, fold, layout.labels)
-    return train_applied(list(train_parts.values()), layout.inputs, layout.labels, cfg, plan)
+    return train_applied(list(train_parts.values()), layout.inputs, layout.labels, cfg, plan,
+                         compile_cache=compile_cache)  # fmt: skip
 
 
 def train_applied(
@@ -162,6 +173,7 @@ def train_applied(
     model_cfg: ModelConfig | None = None,
     *,
     compile_backend: str | None = None,
+    compile_cache: str | None = None,
 ) -> TrainResult:
     """tasks.training.train with `plan`'s rungs (default: plan_rungs(cfg.optimizations)).
 
@@ -172,12 +184,21 @@ def train_applied(
     plan = plan or plan_rungs(cfg.optimizations, device, head_dim=data.model_config.head_dim)
     if not plan.rungs:
         return train_plain(data, cfg)  # bit for bit the plain loop
-    return train_prepared(data, cfg, plan, compile_backend=compile_backend)
+    return train_prepared(data, cfg, plan, compile_backend=compile_backend,
+                          compile_cache=compile_cache)  # fmt: skip
 
 
 def train_prepared(
-    data: TrainingData, cfg: TrainConfig, plan: Plan, *, compile_backend: str | None = None
+    data: TrainingData,
+    cfg: TrainConfig,
+    plan: Plan,
+    *,
+    compile_backend: str | None = None,
+    compile_cache: str | None = None,
 ) -> TrainResult:
+    """compile_cache: a store root (the workspace's site) where Inductor's artifacts for
+    this training's code, shapes and rungs are kept and looked for (profiling/
+    compile_cache.py); None: only the machine's own Inductor cache."""
     device = resolve_device(cfg.device)
     cuda = device.type == "cuda"
     sw = Switches.of(plan.rungs)
@@ -198,8 +219,16 @@ def train_prepared(
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
+    cache_parts = {
+        "code": code_fingerprint(*RUNG_CODE, training_module, orderbook),
+        "model": asdict(data.model_config), "batch": cfg.batch_size,
+        "window": work.max_len, "rungs": list(plan.rungs), "backend": settings.compile_backend,
+    }  # fmt: skip
     try:
         with (
+            compile_cache_kept(
+                compile_cache if sw.compile else None, device, cache_parts
+            ) as cached,
             apply_precision(device, enabled=sw.bf16),
             torch_threads(cfg.num_threads),
             gil_switch(GIL_SWITCH_S if cuda else None),
@@ -243,4 +272,5 @@ def train_prepared(
         gpu_util=sampler.mean,
         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         ladder_result=plan.proof.to_dict() if plan.proof is not None else None,
+        compile_cache=cached["state"],
     )

@@ -260,6 +260,9 @@ class TrainResult:
     gpu_util: float | None = None  # mean NVML busy fraction over the steps after the warm-up
     peak_mem_gb: float | None = None  # GiB allocated at most during training (CUDA)
     ladder_result: dict | None = None  # the ladder result `auto` relied on (profiling.proof)
+    # compiled kernels from the workspace's store: "loaded", "missing" (compiled, then
+    # stored), "off" (not compiled, or no store given); profiling/compile_cache.py
+    compile_cache: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,85 @@
+"""Inductor's compiled kernels kept with the workspace, so a fresh worker trains without
+compiling again.
+
+torch.compile's warm-up is most of a short GPU training's fixed cost: 42.4 s before the
+first steady step of a 16-model stack with an empty Inductor cache on an H200, 3.4 s with
+the cache an earlier process filled (bench/results/sweep-h200-check.md). That cache is a
+folder on the machine that compiled (TORCHINDUCTOR_CACHE_DIR); a new worker, or the same
+machine after /tmp was emptied, compiles again. Here the process's cache artifacts (FX
+graph, AOTAutograd and Triton entries: `torch.compiler.save_cache_artifacts`, PyTorch's
+"mega-cache") are stored in the workspace's store under a key of what decides the
+kernels (torch version, device class, the training code's digest, the shapes and the
+rungs), and loaded (`load_cache_artifacts`) before the next compile with that key,
+wherever the store is (a local folder or S3).
+
+Inductor still checks each graph against its own cache key, so a stored entry that does
+not fit (another batch shape, a changed pass) is a miss, compiled and stored again: a
+stale blob costs a compile, never a wrong kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from quantloop.tasks.engine import storage
+
+PREFIX = "compile-cache"
+log = logging.getLogger(__name__)
+
+
+def device_class(device: torch.device) -> str:
+    """What a compiled kernel is specific to: the GPU's name and compute capability, or
+    the CPU's instruction set."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    return f"{device.type}:{torch.backends.cpu.get_cpu_capability()}"
+
+
+def cache_key(device: torch.device, parts: Mapping[str, Any]) -> str:
+    values = {"torch": torch.__version__, "device": device_class(device), **parts}
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _hits() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+@contextlib.contextmanager
+def kept(root: str | None, device: torch.device, parts: Mapping[str, Any]) -> Iterator[dict]:
+    """Load the artifacts stored under `root` for this key before the block; after it,
+    store the process's artifacts when the block compiled a graph the store did not hold.
+    Yields what happened: {"key", "state": off | loaded | missing | unreadable, "hits",
+    "misses", "stored_bytes"}. root None: nothing is read or stored."""
+    if root is None:
+        yield {"state": "off"}
+        return
+    key = cache_key(device, parts)
+    url = storage.join(root, PREFIX, f"{key}.bin")
+    info: dict[str, Any] = {"key": key, "state": "missing"}
+    if storage.exists(url):
+        try:
+            # None (not an exception) for bytes that hold no artifacts
+            loaded = torch.compiler.load_cache_artifacts(storage.read_bytes(url))
+            info["state"] = "loaded" if loaded else "unreadable: no artifacts in it"
+        except Exception as exc:  # noqa: BLE001 - a bad blob costs a compile, not the run
+            info["state"] = f"unreadable: {type(exc).__name__}: {exc}"
+            log.warning("compile cache %s unreadable (%s): compiling", url, exc)
+    hits0, misses0 = _hits()
+    yield info
+    hits, misses = _hits()
+    info["hits"], info["misses"] = hits - hits0, misses - misses0
+    if info["misses"] or info["state"] != "loaded":
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts is not None and artifacts[0]:
+            storage.write_bytes_atomic(url, artifacts[0])
+            info["stored_bytes"] = len(artifacts[0])

@@ -1,0 +1,69 @@
+"""Inductor's kernels kept in the workspace's store (profiling/compile_cache.py): a fresh
+process (a new worker, an emptied /tmp) loads them and compiles nothing again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantloop.profiling.compile_cache import PREFIX, cache_key, kept
+
+# A fresh process: its own Inductor cache folder, so only the store can give it kernels.
+COMPILE = """
+import json, sys, torch
+from quantloop.profiling.compile_cache import kept
+root = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+with kept(root, torch.device("cpu"), {"test": "mlp"}) as info:
+    step = torch.compile(model)
+    step(torch.randn(32, 8)).sum().backward()
+print(json.dumps(info))
+"""
+
+
+def compile_in_a_fresh_process(root: Path, inductor_dir: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
+    proc = subprocess.run([sys.executable, "-c", COMPILE, str(root)], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_without_a_store_nothing_is_read_or_kept():
+    with kept(None, torch.device("cpu"), {}) as info:
+        pass
+    assert info == {"state": "off"}
+
+
+def test_the_key_names_torch_the_device_class_and_the_parts():
+    cpu = torch.device("cpu")
+    assert cache_key(cpu, {"batch": 256}) == cache_key(cpu, {"batch": 256})
+    assert cache_key(cpu, {"batch": 256}) != cache_key(cpu, {"batch": 512})
+
+
+@pytest.mark.slow
+def test_a_fresh_process_loads_the_kernels_and_compiles_nothing(tmp_path):
+    """Inductor on a CPU (a C++ build, ~25 s here): the first process compiles and stores;
+    a second one, with an empty Inductor cache of its own, loads the store's blob and
+    every graph is a cache hit; a damaged blob costs a compile, never the run."""
+    root = tmp_path / "store"
+    first = compile_in_a_fresh_process(root, tmp_path / "inductor-1")
+    assert first["state"] == "missing" and first["misses"] > 0 and first["stored_bytes"] > 0
+    [blob] = (root / PREFIX).iterdir()
+    assert blob.name == f"{first['key']}.bin"
+
+    second = compile_in_a_fresh_process(root, tmp_path / "inductor-2")
+    assert second["state"] == "loaded", second
+    assert second["hits"] > 0 and second["misses"] == 0, second
+
+    blob.write_bytes(b"not a cache")
+    third = compile_in_a_fresh_process(root, tmp_path / "inductor-3")
+    assert third["state"].startswith("unreadable") and third["misses"] > 0, third
+    assert third["stored_bytes"] > 0 and blob.read_bytes() != b"not a cache"
