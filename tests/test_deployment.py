@@ -272,8 +272,9 @@ def test_operator_setup_from_infra_readme(prefect_server, mlflow_uri):
 def test_a_queued_research_run_starts_before_queued_retrains(prefect_server, tmp_path):
     """Research's queue outranks the batch queue in one pool: runs queued while the
     worker is down are started research first, whatever waited longer. The retrains
-    retrain the research run's version (1 of a fresh store): one started first would
-    find no model and fail."""
+    retrain the research run's version (1 of a fresh store's candidates model: research
+    registers candidates, and only `promote` writes the guarded model): one started first
+    would find no model and fail."""
     api, _ = prefect_server
     pool, home, worker_dir = "quantloop-test-queues", tmp_path / "workspace", tmp_path / "worker"
     wanted = [d for d in read_deployments(PREFECT_YAML) if d.flow in ("research", "retrain")]
@@ -288,7 +289,8 @@ def test_a_queued_research_run_starts_before_queued_retrains(prefect_server, tmp
             retrains = [
                 client.create_flow_run_from_deployment(
                     ids["retrain/nightly"],
-                    parameters={"alias": "1", "workspace": {**workspace, "n_workers": 1}},
+                    parameters={"model": "quantloop-orderbook-candidates", "alias": "1",
+                                "workspace": {**workspace, "n_workers": 1}},
                 )
                 for _ in range(2)
             ]
