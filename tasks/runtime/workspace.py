@@ -183,10 +183,12 @@ class Workspace(BaseModel):
         return block
 
     def catalog(self) -> Catalog:
+        """The block's catalog (its PostgreSQL database when it names one, else its
+        SQLite file), or catalog.sqlite in the home folder."""
         if isinstance(self.data_catalog, DataCatalog):
-            return Catalog(self.data_catalog.resolved_path())
+            return Catalog(self.data_catalog.where())
         if self.data_catalog:
-            return Catalog(DataCatalog.load(self.data_catalog).resolved_path())
+            return Catalog(DataCatalog.load(self.data_catalog).where())
         return Catalog(os.path.join(self.home_abs, "catalog.sqlite"))
 
 
