@@ -98,7 +98,8 @@ class Catalog:
     def __init__(self, where: str | os.PathLike[str]):
         if is_url(str(where)):
             self._db = Database(str(where))
-            # What is shown and recorded (a run's catalog tag): the URL without its password
+            # What is shown and recorded (a run's catalog tag): the URL without its password,
+            # which reopens it where libpq finds the password (PGPASSWORD, ~/.pgpass)
             self.path: Path | str = self._db.shown
         else:
             self.path = Path(where)
@@ -199,12 +200,18 @@ class Catalog:
             source=source,
         )
         # Recorded only after the file is complete: a crash above leaves the old entry.
-        self._record([entry])
-        if previous is None:
+        # What it replaces is read again under the product's lock: another process (or
+        # host) may have landed this partition since `previous` was read.
+        repair = previous is not None and previous.digest == digest
+        replaced = self._record([entry], keep_same=not repair)[partition]
+        if replaced is None:
             return Landed(entry, "new")
-        if previous.digest == digest:
-            return Landed(entry, "repaired", previous.digest)
-        return Landed(entry, "changed", previous.digest)
+        if replaced == digest:
+            if repair:
+                return Landed(entry, "repaired", digest)
+            # landed by another meanwhile, the same content: theirs stays recorded
+            return Landed(self.get(dataset, partition) or entry, "unchanged")
+        return Landed(entry, "changed", replaced)
 
     def land_packed(
         self,
@@ -250,8 +257,9 @@ class Catalog:
                           levels_of(table.schema), location, offset, len(data), site, source)
                 )  # fmt: skip
                 offset += len(data)
-            self._record(entries)
-            for old, digest in zip(before, digests, strict=True):
+            replaced = self._record(entries)  # read under the lock: the rows it replaced
+            for (part, _), digest in zip(parts, digests, strict=True):
+                old = replaced[part]
                 counts["new" if old is None else "unchanged" if old == digest else "changed"] += 1
         self.table(dataset)  # the columnar snapshot, built with the landing
         return counts
@@ -315,26 +323,35 @@ class Catalog:
         if not rows:
             raise ValueError(f"nothing to pin in dataset {dataset!r}")
         pin = data_digest((f"{p}/{d}", digest) for p, d, digest, *_ in rows)
-        path = self._pin_path(pin)
-        if not path.exists():
-            columns = list(zip(*rows, strict=True))
-            table = pa.table(
-                [pa.array(c, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
-                 for c, f in zip(columns, self.TABLE_SCHEMA, strict=True)],
-                names=list(self.TABLE_COLUMNS),
-            ).cast(self.TABLE_SCHEMA)  # fmt: skip
-            storage.write_bytes_atomic(str(path), storage.arrow_bytes(table))
+        with self._connect() as db:
+            if db.execute("SELECT 1 FROM pins WHERE pin = ?", (pin,)).fetchone():
+                return pin
+        columns = list(zip(*rows, strict=True))
+        table = pa.table(
+            [pa.array(c, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
+             for c, f in zip(columns, self.TABLE_SCHEMA, strict=True)],
+            names=list(self.TABLE_COLUMNS),
+        ).cast(self.TABLE_SCHEMA)  # fmt: skip
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        with self._connect() as db:  # in the catalog: a flow on another host reads it
+            db.execute(
+                "INSERT INTO pins VALUES (?, ?, ?, ?) ON CONFLICT (pin) DO NOTHING",
+                (pin, dataset, storage.arrow_bytes(table), now),
+            )
         return pin
 
     def pinned(self, pin: str) -> pa.Table:
         """The partition versions of a pin (TABLE_SCHEMA, sorted by product and date)."""
-        path = self._pin_path(pin)
-        if not path.exists():
-            raise LookupError(f"no pinned selection {pin[:16]} in the catalog at {self.path}")
-        return storage.decode_table(path.read_bytes())
-
-    def _pin_path(self, pin: str) -> Path:
-        return self.path.parent / f"{self.path.name}.pins" / f"{pin}.arrows"
+        with self._connect() as db:
+            row = db.execute("SELECT data FROM pins WHERE pin = ?", (pin,)).fetchone()
+        if row is not None:
+            return storage.decode_table(bytes(row[0]))
+        # A SQLite catalog's pins made before schema version 2: files beside it
+        if isinstance(self.path, Path):
+            legacy = self.path.parent / f"{self.path.name}.pins" / f"{pin}.arrows"
+            if legacy.exists():
+                return storage.decode_table(legacy.read_bytes())
+        raise LookupError(f"no pinned selection {pin[:16]} in the catalog at {self.path}")
 
     def _digests(self, dataset: str, product: str) -> dict[str, str]:
         """The current digest of each of a product's dates."""
@@ -346,13 +363,35 @@ class Catalog:
                 )
             )
 
-    def _record(self, entries: list[Entry]) -> None:
+    def _record(
+        self, entries: list[Entry], *, keep_same: bool = False
+    ) -> dict[Partition, str | None]:
+        """Record entries (of one dataset and product) in one transaction with the
+        dataset's version; returns the digest each replaced (None: it was new), read
+        under a lock on the product, so two writers of one partition see each other.
+        keep_same: an entry whose digest is already current is left as it is (another
+        process landed the same content meanwhile; its location stays)."""
+        [(dataset, product)] = {(e.dataset, e.partition.product) for e in entries}
         now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         with self._connect() as db:  # one transaction: the rows and their versions
-            db.executemany(
+            # PostgreSQL: an advisory lock (a row lock cannot hold a partition not yet
+            # there); SQLite: its write lock, taken before the read (BEGIN IMMEDIATE)
+            db.lock(f"catalog partitions {dataset}/{product}")
+            current = dict(
+                db.execute(
+                    "SELECT date, digest FROM partitions WHERE dataset = ? AND product = ?",
+                    (dataset, product),
+                ).fetchall()
+            )
+            replaced = {e.partition: current.get(e.partition.date.isoformat()) for e in entries}
+            if keep_same:
+                entries = [e for e in entries if replaced[e.partition] != e.digest]
+            if not entries:
+                return replaced
+            db.execute(
                 "INSERT INTO versions VALUES (?, 1)"
                 " ON CONFLICT(dataset) DO UPDATE SET version = versions.version + 1",
-                [(d,) for d in sorted({e.dataset for e in entries})],
+                (dataset,),
             )
             rows = [
                 (e.dataset, e.partition.product, e.partition.date.isoformat(), e.digest,
@@ -362,6 +401,7 @@ class Catalog:
             ]  # fmt: skip
             db.executemany(_UPSERT_PARTITION, rows)
             db.executemany(_UPSERT_HISTORY, rows)
+        return replaced
 
     def get(self, dataset: str, partition: Partition) -> Entry | None:
         rows = self.entries(dataset, [partition])

@@ -94,7 +94,7 @@ _V2 = [
 )""",
 ]
 
-MIGRATIONS: list[tuple[int, list[str]]] = [(1, _V1)]
+MIGRATIONS: list[tuple[int, list[str]]] = [(1, _V1), (2, _V2)]
 LATEST = MIGRATIONS[-1][0]
 
 _VERSION_TABLE = (
@@ -111,13 +111,14 @@ def is_url(where: str) -> bool:
     return urllib.parse.urlsplit(str(where)).scheme in SCHEMES
 
 
-def masked(url: str) -> str:
-    """The URL with its password replaced by ***: what may be shown or recorded."""
+def without_password(url: str) -> str:
+    """The URL without its password: what may be shown or recorded (a run's catalog tag).
+    libpq still opens it, taking the password from PGPASSWORD or ~/.pgpass."""
     parts = urllib.parse.urlsplit(url)
     if parts.password is None:
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]
-    login = f"{parts.username}:***@" if parts.username else ":***@"
+    login = f"{parts.netloc.rsplit('@', 1)[0].split(':', 1)[0]}@" if parts.username else ""
     return urllib.parse.urlunsplit(parts._replace(netloc=login + netloc))
 
 
@@ -169,7 +170,7 @@ class Database:
     def __init__(self, where: str):
         self.where = str(where)
         self.postgres = is_url(self.where)
-        self.shown = masked(self.where) if self.postgres else self.where
+        self.shown = without_password(self.where) if self.postgres else self.where
 
     @contextlib.contextmanager
     def connect(self) -> Iterator[Connection]:
