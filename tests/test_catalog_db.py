@@ -127,6 +127,17 @@ def test_a_catalog_of_a_newer_schema_is_refused_naming_both_versions(tmp_path):
         Catalog(path)
 
 
+def test_a_sqlite_catalog_does_not_checkpoint_its_wal_on_every_call(tmp_path):
+    """A write's connection closing is not the file's last: SQLite checkpoints and
+    deletes the WAL when its last connection closes, which with a connection per call
+    made every write 2.5x slower (0.8 -> 2.2 ms a write here)."""
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    root = str(tmp_path / "store")
+    for day in DAYS[:2]:
+        catalog.land("d", Partition("AAA", day), random_book(30), root=root)
+        assert (tmp_path / "catalog.sqlite-wal").exists()
+
+
 # ------------------------------------------------------------------ PostgreSQL
 
 DAYS = [dt.date(2026, 1, 5) + dt.timedelta(days=i) for i in range(4)]

@@ -171,6 +171,21 @@ class Database:
         self.where = str(where)
         self.postgres = is_url(self.where)
         self.shown = without_password(self.where) if self.postgres else self.where
+        self._keeper: sqlite3.Connection | None = None
+
+    def _keep_open(self) -> None:
+        """SQLite: one idle connection for the life of this object. When the last
+        connection to a WAL database closes, SQLite checkpoints and deletes the WAL: with
+        a connection per call that was every call (a write took 2.2 ms instead of 0.8 ms
+        here). It reads once (to attach to the WAL index), then holds no snapshot or
+        lock: no statement of it stays open."""
+        if self._keeper is None and not self.postgres:
+            keeper = sqlite3.connect(self.where, timeout=30, check_same_thread=False)
+            keeper.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
+            self._keeper = keeper
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_keeper": None}  # a connection does not travel
 
     @contextlib.contextmanager
     def connect(self) -> Iterator[Connection]:
@@ -215,6 +230,7 @@ class Database:
         with self.connect() as db:
             found = self.version(db)
         if found == LATEST:
+            self._keep_open()
             return found
         if found > LATEST:
             raise CatalogDatabaseError(
@@ -232,6 +248,7 @@ class Database:
                 for statement in statements:
                     db.execute(self.ddl(statement))
                 db.execute("INSERT INTO schema_version VALUES (?, ?)", (version, now))
+        self._keep_open()
         return found
 
 
