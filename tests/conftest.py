@@ -20,6 +20,25 @@ LOBSTER_DIR = SHARED_DATA / "lobster"
 SERVER_START_S = 300
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(SERVER_START_S))
 
+MLFLOW_CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_credentials_restored():
+    """Each test's changes to MLflow's credential variables end with it: tests that talk
+    to servers of their own as other users set them, and so does a flow run in-process
+    with a tracking block's credentials (tasks/records/tracking.client_for, for MLflow's
+    REST client). A later test then met the session's MLflow server as another user, or
+    as none: 401 for the 10 tests after test_guard and test_postgres in a fresh-clone
+    suite (441cd06)."""
+    saved = {k: os.environ.get(k) for k in MLFLOW_CREDENTIAL_VARS}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
 
 @pytest.fixture(scope="session")
 def prefect_api() -> str:
