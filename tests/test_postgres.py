@@ -82,8 +82,9 @@ def test_serve_runs_prefect_and_mlflow_on_postgresql(postgres, tmp_path):
     # Characters a URL must percent-encode, and that MLflow's auth ini must escape.
     secret = os.urandom(8).hex()
     password = "pg@%:" + secret
-    postgres.sql(f"CREATE ROLE desk LOGIN CREATEDB PASSWORD '{password}'")
-    database = postgres.url("quantdesk", user="desk", password=password)
+    # a role of its own: the session's server is shared (test_catalog_db makes "desk")
+    postgres.sql(f"CREATE ROLE servedesk LOGIN CREATEDB PASSWORD '{password}'")
+    database = postgres.url("quantdesk", user="servedesk", password=password)
     home, ports = tmp_path / "home", (free_port(), free_port())
     out = tmp_path / "serve.out"
     t0 = time.monotonic()
@@ -102,7 +103,7 @@ def test_serve_runs_prefect_and_mlflow_on_postgresql(postgres, tmp_path):
         print(f"serve on PostgreSQL ready after {time.monotonic() - t0:.1f} s: "
               + [line for line in said.splitlines() if "ready in" in line][0])  # fmt: skip
         assert "quantdesk_prefect, quantdesk_mlflow, quantdesk_mlflow_auth (" in said
-        assert "desk:***@" in said
+        assert "servedesk:***@" in said
         # Each server's database, owned by the role; nothing of theirs in SQLite files.
         owners = dict(
             rows(
@@ -111,7 +112,9 @@ def test_serve_runs_prefect_and_mlflow_on_postgresql(postgres, tmp_path):
                 "FROM pg_database WHERE datname LIKE 'quantdesk%'",
             )
         )
-        assert owners == {f"quantdesk_{s}": "desk" for s in ("prefect", "mlflow", "mlflow_auth")}
+        assert owners == {
+            f"quantdesk_{s}": "servedesk" for s in ("prefect", "mlflow", "mlflow_auth")
+        }
         assert not list(home.rglob("*.db")), list(home.rglob("*.db"))
 
         creds = load_credentials(home / "serve" / "credentials.json")
