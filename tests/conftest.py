@@ -3,7 +3,9 @@ one PostgreSQL server (on demand)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,20 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(SE
 MLFLOW_CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 
 
+@contextlib.contextmanager
+def env_restored(keys: tuple[str, ...]) -> Iterator[None]:
+    """The environment variables `keys` as they were before the block, after it."""
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @pytest.fixture(autouse=True)
 def _mlflow_credentials_restored():
     """Each test's changes to MLflow's credential variables end with it: tests that talk
@@ -31,13 +47,8 @@ def _mlflow_credentials_restored():
     REST client). A later test then met the session's MLflow server as another user, or
     as none: 401 for the 10 tests after test_guard and test_postgres in a fresh-clone
     suite (441cd06)."""
-    saved = {k: os.environ.get(k) for k in MLFLOW_CREDENTIAL_VARS}
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with env_restored(MLFLOW_CREDENTIAL_VARS):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -75,26 +86,17 @@ def _mlflow_started(request, tmp_path_factory) -> servers.MlflowServer | None:
 @pytest.fixture(scope="session")
 def mlflow_uri(_mlflow_started) -> str:
     uri = _mlflow_started.ready(timeout=SERVER_START_S)
-    keys = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(MLFLOW_TRACKING_USERNAME=MLFLOW_USER,
-                      MLFLOW_TRACKING_PASSWORD=MLFLOW_PASSWORD)  # fmt: skip
-    try:
+    with env_restored(MLFLOW_CREDENTIAL_VARS):
+        os.environ.update(MLFLOW_TRACKING_USERNAME=MLFLOW_USER,
+                          MLFLOW_TRACKING_PASSWORD=MLFLOW_PASSWORD)  # fmt: skip
         yield uri
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server; s3fs in this process and in Dask workers finds it via the env."""
     keys = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-    saved = {k: os.environ.get(k) for k in keys}
-    with servers.s3_server() as endpoint:
+    with env_restored(keys), servers.s3_server() as endpoint:
         os.environ.update(
             AWS_ENDPOINT_URL=endpoint,
             AWS_ACCESS_KEY_ID="testing",
@@ -102,14 +104,7 @@ def s3_endpoint():
             # Not region_name in client_kwargs: moto then rejects bucket creation.
             AWS_DEFAULT_REGION="us-east-1",
         )
-        try:
-            yield endpoint
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        yield endpoint
 
 
 @pytest.fixture(scope="session")
