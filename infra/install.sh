@@ -29,32 +29,28 @@ fi
 # Everything else in one resolve: installed one by one, moto pulls a botocore
 # that s3fs's aiobotocore rejects.
 "${pip[@]}" -e ".${extras}"
+# A Debian package the tests need, installed as root through apt-get (as CI runs), or
+# a line saying what to run and which variable skips those tests outside CI.
+apt_package() {  # package, the tests that need it, the skip variable
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "install: installing Debian's $1 for $2"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null
+  else
+    echo "install: $1 is missing and apt-get needs root here: run" \
+      "'sudo apt-get install $1', or $2 fails saying so (outside CI, $3=1 skips it)" >&2
+  fi
+}
 # tests/test_ui.py drives Debian's chromium through Playwright (Playwright's own browser
 # download fetches from outside the package registries, which fails on these machines).
 if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "install: installing Debian's chromium for the browser test (20-40 s)"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-  else
-    echo "install: chromium is missing and apt-get needs root here: run" \
-      "'sudo apt-get install chromium', or tests/test_ui.py fails saying so" \
-      "(outside CI, QUANTLOOP_SKIP_BROWSER=1 skips it)" >&2
-  fi
+  apt_package chromium tests/test_ui.py QUANTLOOP_SKIP_BROWSER
 fi
 # tests/test_postgres.py starts its own server from initdb (tests/servers.py): Debian's
 # server binaries, under /usr/lib/postgresql/<version>/bin. Only the binaries are needed;
 # the package's own cluster, should it make one, is left alone.
 if [ -n "$extras" ] && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
   && ! command -v initdb >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "install: installing Debian's postgresql for the PostgreSQL tests"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
-  else
-    echo "install: PostgreSQL's server is missing and apt-get needs root here: run" \
-      "'sudo apt-get install postgresql', or tests/test_postgres.py fails saying so" \
-      "(outside CI, QUANTLOOP_SKIP_POSTGRES=1 skips it)" >&2
-  fi
+  apt_package postgresql tests/test_postgres.py QUANTLOOP_SKIP_POSTGRES
 fi
 echo "install: done ($(.venv/bin/python -c 'import torch, prefect, mlflow; print(f"torch {torch.__version__}, prefect {prefect.__version__}, mlflow {mlflow.__version__}")'))"
