@@ -22,6 +22,12 @@ LOBSTER_DIR = SHARED_DATA / "lobster"
 SERVER_START_S = 300
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(SERVER_START_S))
 
+# A `quantloop` subprocess of a test runs in-process, as `python -m quantloop.cli` does: a
+# warm process (quantloop/forkserver.py) is keyed by the environment, and each test's own
+# variables would start one more (450 MB, 7 s of imports) that outlives it by its idle
+# timeout. tests/test_forkserver.py turns it on for its own commands.
+os.environ.setdefault("QUANTLOOP_FORKSERVER", "0")
+
 MLFLOW_CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 
 

@@ -56,11 +56,18 @@ __all__ = ["app", "rich_table"]
 
 
 def console_main() -> None:
-    """The `quantloop` executable: the commands, then an exit that skips the interpreter's
+    """The `quantloop` executable in this process (quantloop/launch.py first offers the
+    command to a warm process): the commands, then an exit that skips the interpreter's
     teardown. Every exit handler still runs (Prefect's, Dask's, logging's flush, the
     run's breakdown) and every thread is joined; what is skipped is freeing thousands of
     modules one by one (torch's among them), 1.5-2 s of a cached re-run on 2 cores that
     nobody waits for on purpose. Tests call `app` itself and keep the normal exit."""
+    os._exit(run_app())
+
+
+def run_app() -> int:
+    """Run the command of sys.argv, then the interpreter's own first steps at exit:
+    threads joined, exit handlers run, streams flushed. Returns the exit status."""
     import atexit
     import sys
     import threading
@@ -82,4 +89,4 @@ def console_main() -> None:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(code)
+    return code

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -86,6 +87,15 @@ def quiet_console() -> None:
     """
     for handler in ("CONSOLE", "CONSOLE_FLOW_RUNS", "CONSOLE_TASK_RUNS"):
         os.environ.setdefault(f"PREFECT_LOGGING_HANDLERS_{handler}_LEVEL", "CRITICAL")
+    forkserver = sys.modules.get("quantloop.forkserver")
+    if forkserver is not None and forkserver.IN_CHILD:
+        # A warm process's child (quantloop/forkserver.py): Prefect set up its logging
+        # before this command read its options, so its handlers are told directly.
+        # dictConfig names them; logging has no public lookup by name before Python 3.12.
+        for handler in ("console", "console_flow_runs", "console_task_runs"):
+            found = logging._handlers.get(handler)  # noqa: SLF001
+            if found is not None:
+                found.setLevel(logging.CRITICAL)
 
 
 @contextlib.contextmanager

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 
 def _process_start() -> float:
     """The process's start on the wall clock: the interpreter's own start-up and the
-    imports before the first line of ours count too."""
+    imports before the first line of ours count too. /proc gives the start in clock
+    ticks since boot; its age against CLOCK_BOOTTIME (the same clock) is exact to a tick
+    (10 ms), where the boot time /proc/stat gives is whole seconds."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()  # not Linux: from the first import of this module
 
 
@@ -48,6 +49,8 @@ class Timeline:
     origin: float = field(default_factory=_process_start)
     spans: list[Span] = field(default_factory=list)
     totals: dict[str, list[float]] = field(default_factory=dict)  # name -> [seconds, count]
+    # "in-process", or "warm" for a warm server's child (quantloop/forkserver.py)
+    process: str = "in-process"
     _open: list[Span] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -100,7 +103,8 @@ class Timeline:
 
     def report(self, end_s: float | None = None) -> dict:
         """{"wall_s", "phases": [{name, start_s, seconds, depth}], "totals": {name:
-        {seconds, count}}, "other_s"}: other is the wall time no top-level phase covered."""
+        {seconds, count}}, "other_s", "process"}: other is the wall time no top-level
+        phase covered; process says whether a warm server's child ran the command."""
         end_s = self.now() if end_s is None else end_s
         with self._lock:
             phases = [
@@ -112,7 +116,8 @@ class Timeline:
                       for k, v in self.totals.items()}  # fmt: skip
         covered = sum(p["seconds"] for p in phases if p["depth"] == 0)
         return {"wall_s": round(end_s, 3), "phases": phases, "totals": totals,
-                "other_s": round(max(end_s - covered, 0.0), 3)}  # fmt: skip
+                "other_s": round(max(end_s - covered, 0.0), 3),
+                "process": self.process}  # fmt: skip
 
 
 # The process's timeline: a command has one.

@@ -1,0 +1,394 @@
+"""A warm process for the CLI: Prefect, MLflow, torch and the flows imported once, one
+fork per command.
+
+A research run's imports (Prefect, MLflow's SQL stores, torch, pandas, Dask) cost 7 s
+of CPU on this 2-core machine before its first node, and a no-op re-run does little
+else. The first `quantloop run` (or nodes, verify, ...) starts this server beside it,
+detached; each later one is a small client that passes its argv, environment, working
+folder and its three standard streams (the file descriptors themselves, SCM_RIGHTS)
+to the server, which forks a child that becomes the command: it writes to the client's
+terminal or pipes, reads its stdin, and sends back its exit status. This is how
+nailgun, Spring (Rails) and multiprocessing's forkserver avoid start-up costs.
+
+What keeps a child the same as an in-process command:
+- The server imports libraries and quantloop's flows only, never the CLI modules (their
+  Rich consoles detect the terminal at import): the child imports those itself.
+- The environment, working folder, umask and sys.path are the client's; Prefect's
+  settings and logging and Dask's configuration are read again from that environment.
+  Variables that libraries read at import (PYTHON*, LD_*, OMP_*, TORCH*, CUDA*, DASK_*,
+  PREFECT_*, HOME, TMPDIR, locale ...) are part of the server's address: a client whose
+  values differ gets (and starts) another server.
+- Code that changed on disk: before each fork the server compares the modules it
+  imported with their files (mtime and size); one that changed ends the server and the
+  client runs in-process, starting a fresh server.
+- A kill -9 of the client kills the child (its connection closes); SIGINT, SIGTERM and
+  SIGHUP the client receives are forwarded to the child.
+- Only the user who started the server may use it (SO_PEERCRED); the address is an
+  abstract Unix socket, Linux only (elsewhere every command runs in-process).
+
+QUANTLOOP_FORKSERVER=0 turns it off (every command in-process, nothing started);
+QUANTLOOP_FORKSERVER_IDLE_S (600) is how long an unused server stays.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+IDLE_S = 600.0
+IN_CHILD = False  # true in a child that runs a command (quantloop/cli/common.quiet_console)
+# The commands a warm process runs: the ones that import the flows. serve, api, deploy
+# and ladder start long-lived servers or benchmarks of their own and stay in-process.
+COMMANDS = frozenset({"run", "nodes", "verify", "reproduce", "retrain", "backtest", "promote"})
+# What libraries read from the environment at import: a different value needs another
+# server (prefixes and exact names).
+IMPORT_ENV_PREFIXES = (
+    "PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NCCL",
+    "TRITON", "DASK_", "PREFECT_", "FSSPEC_", "LC_", "QUANTLOOP_",
+)  # fmt: skip
+IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LANGUAGE", "USER", "PATH")
+# The server's own settings are not part of its address.
+OWN_ENV = ("QUANTLOOP_FORKSERVER", "QUANTLOOP_FORKSERVER_IDLE_S")
+# What the server imports before it forks: what a research run imports, less the CLI.
+WARM_MODULES = (
+    # first: its exit handler (the run's breakdown) must run after those of the
+    # libraries below, as it does in-process, where the CLI imports it first
+    "quantloop.tasks.runtime.timeline",
+    "quantloop.flows.params",
+    "quantloop.flows.research",
+    "quantloop.tasks.records.summary",
+    "quantloop.tasks.research.training",
+    "quantloop.profiling.proof",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "mlflow.store.model_registry.sqlalchemy_store",
+    "distributed",
+    "typer",
+    "rich.console",
+    "rich.progress",
+    "rich.table",
+)
+
+
+def enabled() -> bool:
+    return sys.platform == "linux" and os.environ.get("QUANTLOOP_FORKSERVER", "1") != "0"
+
+
+def address(env: dict[str, str] | None = None) -> str:
+    """The abstract socket name of the server for this interpreter, this quantloop, this
+    user and the import-time environment."""
+    env = os.environ if env is None else env
+    here = os.path.dirname(os.path.abspath(__file__))
+    imported = sorted(
+        (k, v) for k, v in env.items()
+        if k not in OWN_ENV and (k in IMPORT_ENV_NAMES or k.startswith(IMPORT_ENV_PREFIXES))
+    )  # fmt: skip
+    # sys.path less the script's folder (`quantloop`'s bin/, or none with -P)
+    path = sys.path if sys.flags.safe_path else sys.path[1:]
+    key = json.dumps([sys.executable, sys.prefix, here, os.getuid(), path,
+                      _flags(), imported])  # fmt: skip
+    return "\0quantloop-forkserver-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _flags() -> list[str]:
+    """The interpreter options that change what an import finds, as options."""
+    f = sys.flags
+    named = (("-I", f.isolated), ("-E", f.ignore_environment), ("-s", f.no_user_site),
+             ("-P", f.safe_path))  # fmt: skip
+    return [option for option, on in named if on]
+
+
+def log_path() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), f"quantloop-{os.getuid()}"
+    )
+    return os.path.join(base, "forkserver.log")
+
+
+# ------------------------------------------------------------------------------ client
+
+
+def run(argv: list[str], started: float) -> int | None:
+    """Run the command in a warm server's child and return its exit status; None when
+    there is no usable server (then one is started for the next command, and the caller
+    runs the command itself)."""
+    name = address()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(name)
+    except OSError:
+        sock.close()
+        start_server(name)
+        return None
+    with sock:
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
+                   "umask": _umask(), "path": sys.path, "started": started}  # fmt: skip
+        fds = array.array("i", [0, 1, 2])
+        sock.sendmsg([json.dumps(request).encode() + b"\n"],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])  # fmt: skip
+        reader = sock.makefile("rb")
+        child = None
+        forwarded = {}
+
+        def forward(signum, _frame):
+            if child is not None:
+                try:
+                    os.kill(child, signum)
+                except ProcessLookupError:
+                    pass
+
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            forwarded[signum] = signal.signal(signum, forward)
+        try:
+            for line in reader:
+                message = json.loads(line)
+                if "stale" in message:
+                    start_server(name)
+                    return None
+                if "pid" in message:
+                    child = message["pid"]
+                elif "exit" in message:
+                    return int(message["exit"])
+        finally:
+            for signum, old in forwarded.items():
+                signal.signal(signum, old)
+        if child is None:  # the server went away before it forked: run in-process
+            return None
+        print(f"quantloop: the command's process ({child}) ended without an exit status "
+              f"(killed?); the warm server's log: {log_path()}", file=sys.stderr)  # fmt: skip
+        return 1
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def start_server(name: str) -> None:
+    """Start a server at `name` for this environment and interpreter options, detached
+    (its own session), logging to log_path(); it exits at once if another holds `name`."""
+    import subprocess
+
+    log = log_path()
+    os.makedirs(os.path.dirname(log), mode=0o700, exist_ok=True)
+    with open(log, "ab") as out:
+        subprocess.Popen(
+            [sys.executable, *_flags(), "-m", "quantloop.forkserver", name.lstrip("\0")],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
+            start_new_session=True, close_fds=True,
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ server
+
+
+def serve(name: str, idle_s: float) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(name)
+    except OSError:  # another server holds this address
+        return
+    # Bound before the imports: a client that connects meanwhile waits in the backlog
+    # for the fork instead of paying the same imports itself.
+    listener.listen(64)
+    t0 = time.perf_counter()
+    import importlib
+
+    for module in WARM_MODULES:
+        importlib.import_module(module)
+    files = _module_files()
+    _log(f"pid {os.getpid()} ready in {time.perf_counter() - t0:.1f} s, "
+         f"{len(files)} module files watched, idle timeout {idle_s:.0f} s")  # fmt: skip
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    listener.settimeout(idle_s)
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            _log(f"idle for {idle_s:.0f} s: exiting")
+            return
+        conn.settimeout(None)
+        try:
+            request, fds = _receive(conn)
+        except (OSError, ValueError) as exc:
+            _log(f"a bad request: {exc}")
+            conn.close()
+            continue
+        changed = _changed(files)
+        if changed:
+            # Release the address first, so the client's new server can take it.
+            listener.close()
+            _log(f"{changed} changed on disk: exiting")
+            _send(conn, {"stale": changed})
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            _child(conn, fds, request)  # never returns
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        _log(f"pid {pid}: quantloop {request['argv'][0] if request['argv'] else ''}")
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    uid = int.from_bytes(creds[4:8], sys.byteorder)
+    if uid != os.getuid():
+        raise ValueError(f"a client of uid {uid}, not ours ({os.getuid()}): refused")
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        chunk, ancillary, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(3 * 4))
+        if not chunk:
+            raise ValueError("the client closed before its request ended")
+        data += chunk
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                fds.extend(got)
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+    return json.loads(data), fds
+
+
+def _module_files() -> dict[str, tuple[int, int]]:
+    files = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            files[path] = (st.st_mtime_ns, st.st_size)
+    return files
+
+
+def _changed(files: dict[str, tuple[int, int]]) -> str | None:
+    for path, seen in files.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if (st.st_mtime_ns, st.st_size) != seen:
+            return path
+    return None
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _log(message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} forkserver: {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------- child
+
+
+def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
+    """Become the client's command: its streams, environment, folder and argv."""
+    global IN_CHILD
+    IN_CHILD = True
+    code = 1
+    try:
+        os.setsid()  # signals to the server's session do not reach the command
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=stream.isatty())
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        os.umask(int(request["umask"]))
+        sys.path[:] = request["path"]
+        sys.argv = ["quantloop", *request["argv"]]
+        _send(conn, {"pid": os.getpid()})
+        _watch_client(conn)
+        _fresh_state(float(request["started"]))
+        from quantloop.cli import run_app
+
+        code = run_app()
+    except BaseException as exc:  # noqa: BLE001 - the child must always exit here
+        try:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+    finally:
+        try:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+        finally:
+            _send(conn, {"exit": code})
+            os._exit(code)
+
+
+def _watch_client(conn: socket.socket) -> None:
+    """A kill -9 of the client closes the connection: end this command as a kill -9 of
+    an in-process command would end it (its reaper then ends what it started)."""
+    import threading
+
+    def watch() -> None:
+        try:
+            while conn.recv(4096):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="forkserver-client", daemon=True).start()
+
+
+def _fresh_state(started: float) -> None:
+    """What the server's imports read from its environment, read again from the client's."""
+    import random
+    import tempfile
+
+    random.seed()
+    tempfile.tempdir = None
+    if "prefect.context" in sys.modules:
+        import prefect.context
+        from prefect.logging.configuration import setup_logging
+
+        prefect.context.refresh_global_settings_context()
+        setup_logging(incremental=False)
+    if "dask.config" in sys.modules:
+        import dask.config
+
+        dask.config.refresh()
+    from quantloop.tasks.runtime import timeline
+
+    # The command's time counts from the client's start, not the fork.
+    tl = timeline.TIMELINE
+    tl.origin = started
+    tl.process = "warm"
+    tl.spans.clear()
+    tl.totals.clear()
+    tl._open.clear()
+
+
+if __name__ == "__main__":
+    # The module itself, not this `__main__` copy: the child's IN_CHILD is read there.
+    from quantloop import forkserver
+
+    idle = float(os.environ.get("QUANTLOOP_FORKSERVER_IDLE_S", IDLE_S))
+    forkserver.serve("\0" + sys.argv[1], idle)

@@ -1,0 +1,24 @@
+"""The `quantloop` executable: offer the command to a warm process (quantloop/forkserver.py),
+else run it here.
+
+Kept to the standard library until it knows which: the client's own start-up is what a
+warm command costs beyond its work.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    from quantloop import forkserver
+    from quantloop.tasks.runtime.timeline import TIMELINE
+
+    argv = sys.argv[1:]
+    if forkserver.enabled() and argv and argv[0] in forkserver.COMMANDS:
+        code = forkserver.run(argv, started=TIMELINE.origin)
+        if code is not None:
+            sys.exit(code)
+    from quantloop.cli import console_main
+
+    console_main()
