@@ -197,16 +197,18 @@ class ResearchParams(BaseModel):
             dates = [day.date for day in days]
         product_params(self.features, self.product_features, sorted(rows))
         folds_of(dates, self.validation)  # ValueError naming validation's fields
-        # An explicit list of optimizations that lacks a switch it requires fails here.
-        # Imported only now: torch costs 1-2 s, and bad data has already been refused.
-        from quantloop.profiling.proof import plan_rungs
-        from quantloop.tasks.research.training import resolve_device
+        # An explicit list of optimizations that lacks a switch it requires, or a CUDA
+        # device on a machine without one, fails here. Only those can fail, so only they
+        # import torch (1-2 s; "auto" and "none" on the device "auto" or "cpu" cannot).
+        if not isinstance(self.train.optimizations, str) or self.train.device.startswith("cuda"):
+            from quantloop.profiling.proof import plan_rungs
+            from quantloop.tasks.research.training import resolve_device
 
-        plan_rungs(
-            self.train.optimizations,
-            resolve_device(self.train.device),
-            head_dim=self.train.head_dim,
-        )
+            plan_rungs(
+                self.train.optimizations,
+                resolve_device(self.train.device),
+                head_dim=self.train.head_dim,
+            )
         horizon = max(self.features.label_horizons)
         short = sorted(p for p, n in rows.items() if n <= horizon)
         if short:

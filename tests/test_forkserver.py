@@ -1,0 +1,234 @@
+"""The warm process (quantloop/forkserver.py), through the real `quantloop` executable:
+a server started by one command forks the next, with the client's streams, folder and
+exit status; a kill -9 or Ctrl-C of the client reaches the command; changed code and an
+idle timeout end the server. Each test has a server of its own (TMPDIR is part of its
+address) and ends it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from quantloop import forkserver
+from tests import servers
+
+EXE = Path(sys.executable).with_name("quantloop")
+TINY = {
+    "data": {"products": ["SYNA"], "n_dates": 2,
+             "synthetic": {"events_per_day": 2_000, "levels": 2}},
+    "train": {"steps": 2_000, "batch_size": 32},  # long enough to be interrupted
+    "validation": {"folds": 1},
+}  # fmt: skip
+
+
+class Warm:
+    """A test's own server: its environment, its log, its processes."""
+
+    def __init__(self, tmp_path: Path, **env: str):
+        self.tmp = tmp_path
+        self.env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+        self.env.update({"QUANTLOOP_FORKSERVER": "1", "QUANTLOOP_FORKSERVER_IDLE_S": "120",
+                         "TMPDIR": str(tmp_path), "COLUMNS": "300", **env})  # fmt: skip
+        self.log = tmp_path / f"quantloop-{os.getuid()}" / "forkserver.log"
+
+    def cli(self, *args: str, cwd: Path | None = None, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run([str(EXE), *args], env=self.env, cwd=cwd or self.tmp,
+                              capture_output=True, text=True, timeout=300, **kw)  # fmt: skip
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def servers(self) -> list[int]:
+        return [int(m[1]) for line in self.lines() if (m := re.search(r"pid (\d+) ready", line))]
+
+    def forked(self) -> list[int]:
+        return [
+            int(m[1]) for line in self.lines() if (m := re.search(r"pid (\d+): quantloop", line))
+        ]
+
+    def wait_ready(self, count: int = 1, timeout: float = 180) -> int:
+        end = time.monotonic() + timeout
+        while len(self.servers()) < count:
+            assert time.monotonic() < end, f"no server ready: {self.lines()}"
+            time.sleep(0.2)
+        return self.servers()[-1]
+
+    def stop(self) -> None:
+        for pid in self.servers():
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+
+@pytest.fixture
+def warm(tmp_path):
+    w = Warm(tmp_path)
+    # The first command runs in-process and starts the server for the next ones.
+    first = w.cli("run", "--lobster", str(tmp_path / "absent"))
+    assert first.returncode == 2 and "absent does not exist" in first.stderr
+    assert w.forked() == []
+    w.wait_ready()
+    yield w
+    w.stop()
+
+
+def test_the_next_command_is_forked_with_the_clients_folder_streams_and_status(warm, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "bad.json").write_text(json.dumps({"train": {"lr": -1}}))
+    server = warm.servers()[-1]
+    # A path relative to the client's folder; the answer on the client's own pipes.
+    done = warm.cli("run", "--params", "bad.json", cwd=work)
+    assert done.returncode == 2
+    assert "--params bad.json: train.lr" in done.stderr and "greater than 0" in done.stderr
+    [child] = warm.forked()
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    # The same server forked it: no second one started, and it is still up.
+    assert warm.servers() == [server] and psutil.pid_exists(server)
+    assert "ready" not in done.stderr  # the server's own lines go to its log only
+    # A command it does not run (serve, api, ...) and --help still answer in-process.
+    assert warm.cli("api", "--help").returncode == 0
+    assert warm.forked() == [child]
+
+
+def test_a_different_import_time_variable_is_another_server_and_others_are_not():
+    env = dict(os.environ)
+    assert forkserver.address(env) == forkserver.address(env | {"MLFLOW_TRACKING_URI": "x"})
+    assert forkserver.address(env) != forkserver.address(env | {"OMP_NUM_THREADS": "3"})
+    assert forkserver.address(env) != forkserver.address(env | {"PREFECT_HOME": "/elsewhere"})
+    assert forkserver.address(env) == forkserver.address(env | {"QUANTLOOP_FORKSERVER": "1"})
+
+
+@pytest.fixture(scope="module")
+def warm_api(tmp_path_factory, prefect_api):
+    """A server whose commands record to the session's Prefect API (PREFECT_API_URL is
+    part of the address, so it is a server of its own), shared by the tests that
+    interrupt a research run: what they end is the command, not the server."""
+    tmp = tmp_path_factory.mktemp("warm-api")
+    w = Warm(tmp)
+    w.env = {**servers.prefect_env(tmp / "prefect", PREFECT_API_URL=prefect_api),
+             **{k: w.env[k] for k in ("QUANTLOOP_FORKSERVER", "QUANTLOOP_FORKSERVER_IDLE_S",
+                                      "TMPDIR", "COLUMNS")}}  # fmt: skip
+    w.env.pop("XDG_RUNTIME_DIR", None)
+    w.cli("run", "--lobster", str(tmp / "absent"))
+    w.wait_ready()
+    yield w
+    w.stop()
+
+
+def _run_until_dask(warm: Warm, tmp_path: Path):
+    """A research run forked by the server, once its Dask processes are up: (client
+    Popen, child pid, the child's descendants)."""
+    params = tmp_path / "params.json"
+    params.write_text(json.dumps(TINY))
+    before = set(warm.forked())
+    client = subprocess.Popen(
+        [str(EXE), "run", "--params", str(params), "--home", str(tmp_path / "home"),
+         "--workers", "1"],
+        env=warm.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    end = time.monotonic() + 180
+    while not (new := set(warm.forked()) - before):
+        assert client.poll() is None and time.monotonic() < end, warm.lines()
+        time.sleep(0.05)
+    [child] = new
+    proc = psutil.Process(child)
+    while not [p for p in proc.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]:
+        assert client.poll() is None, client.stderr.read()
+        assert time.monotonic() < end, "never saw Dask"
+        time.sleep(0.05)
+    return client, child, {p.pid: p.create_time() for p in proc.children(recursive=True)}
+
+
+def _gone(pids: dict[int, float], timeout: float = 30) -> list[int]:
+    end = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid, created in pids.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.Error:
+                pass
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_client_ends_its_command_and_what_it_started(warm_api, tmp_path):
+    client, child, started = _run_until_dask(warm_api, tmp_path)
+    watched = {child: psutil.Process(child).create_time(), **started}
+    try:
+        os.kill(client.pid, signal.SIGKILL)
+        client.wait()
+        assert _gone(watched) == [], "left running after kill -9 of the client"
+    finally:
+        for pid in watched:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+
+@pytest.mark.slow
+def test_ctrl_c_reaches_the_command_which_stops_cleanly(warm_api, tmp_path):
+    client, child, started = _run_until_dask(warm_api, tmp_path)
+    watched = {child: psutil.Process(child).create_time(), **started}
+    try:
+        os.kill(client.pid, signal.SIGINT)
+        assert client.wait(timeout=120) == 130  # what the command answers in-process too
+        assert _gone(watched) == []
+    finally:
+        for pid in watched:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+
+def test_changed_code_ends_the_server_and_the_command_runs_in_process(warm):
+    server = warm.servers()[-1]
+    watched = Path(forkserver.__file__)
+    st = watched.stat()
+    try:
+        os.utime(watched, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        done = warm.cli("run", "--lobster", "/absent-too")
+        assert done.returncode == 2 and "absent-too does not exist" in done.stderr
+    finally:
+        os.utime(watched, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert any("forkserver.py changed on disk: exiting" in line for line in warm.lines())
+    assert warm.forked() == []  # answered in-process, not by a stale child
+    psutil.Process(server).wait(timeout=30)
+    assert warm.wait_ready(count=2) != server  # the client started a fresh one
+
+
+def test_an_idle_server_exits(tmp_path):
+    w = Warm(tmp_path, QUANTLOOP_FORKSERVER_IDLE_S="2")
+    try:
+        w.cli("run", "--lobster", str(tmp_path / "absent"))
+        server = w.wait_ready()
+        psutil.Process(server).wait(timeout=60)
+        assert any("idle for 2 s: exiting" in line for line in w.lines())
+    finally:
+        w.stop()
+
+
+def test_off_starts_nothing(tmp_path):
+    w = Warm(tmp_path, QUANTLOOP_FORKSERVER="0")
+    done = w.cli("run", "--lobster", str(tmp_path / "absent"))
+    assert done.returncode == 2
+    time.sleep(1)
+    assert not w.log.exists()
