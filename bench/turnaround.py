@@ -6,6 +6,10 @@ For each data set (the embedded synthetic default; the LOBSTER samples) and each
 - no-op: the same run again (every node a hit, the models and simulations found by key);
 - one product's feature changed (`product_features`, a new value each repetition);
 - one training parameter changed (`train.seed`, a new value each repetition),
+- the no-op again in-process (`QUANTLOOP_FORKSERVER=0`): the peer of the warm process,
+
+every case but the last run by the warm process (quantloop/forkserver.py), which the
+benchmark starts and waits for before the first run, as a user's earlier command would;
 
 the median of `--repeat` runs (3) of the real CLI in a subprocess: the wall from the
 process's start to its exit, the run's own breakdown (tasks/runtime/timeline.py: imports,
@@ -39,6 +43,7 @@ from bench.report import markdown_table, stamp, stamp_line, write  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 LOBSTER = ROOT.parent / "shared" / "data" / "lobster"
 CASES = ("cold", "no-op", "feature changed", "training changed")
+IN_PROCESS = "no-op in-process"
 # The breakdown's phases, in the order a run passes them (the table's columns).
 PHASES = (
     "start and imports (cli)",
@@ -155,6 +160,7 @@ def run_once(home: Path, params: dict, env: dict) -> dict:
         "simulation_cached": summary["simulation_cached"],
         "phases": phases,
         "totals": breakdown["totals"],
+        "process": breakdown.get("process", "in-process"),
         "api": next(
             (
                 line
@@ -188,8 +194,26 @@ def median_of(runs: list[dict]) -> dict:
             for k in totals
         },
         "hits": [f"{r['cache_hits']}/{r['cache_hits'] + r['computed']}" for r in runs],
+        "process": sorted({r["process"] for r in runs}),
         "api": [r["api"] for r in runs],
     }
+
+
+def warm_up(env: dict) -> int | None:
+    """Start the warm process for `env` (a command that fails at once starts it) and wait
+    until it has done its imports; its pid. None with QUANTLOOP_FORKSERVER=0 or a peer."""
+    if PEER is not None or env.get("QUANTLOOP_FORKSERVER") == "0":
+        return None
+    from quantloop import forkserver
+
+    subprocess.run([*quantloop(), "run", "--lobster", "/nonexistent-warm-up"], env=env,
+                   capture_output=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while (pid := forkserver.ping(env)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the warm process did not start in 300 s")
+        time.sleep(0.2)
+    return pid
 
 
 def stop_api(home: Path, env: dict) -> None:
@@ -229,6 +253,13 @@ def bench(
             print(f"{data} no-op {r}: {noop[-1]['wall_s']:.1f} s", flush=True)
         out["no-op"] = median_of(noop)
         done()
+        if IN_PROCESS in cases and PEER is None:
+            inproc, env_in = [], {**env, "QUANTLOOP_FORKSERVER": "0"}
+            for r in range(repeat):
+                inproc.append(run_once(home, params, env_in))
+                print(f"{data} {IN_PROCESS} {r}: {inproc[-1]['wall_s']:.1f} s", flush=True)
+            out[IN_PROCESS] = median_of(inproc)
+            done()
         for case in [c for c in ("feature changed", "training changed") if c in cases]:
             runs = []
             for r in range(repeat):
@@ -251,7 +282,9 @@ def markdown(result: dict) -> str:
         f"Median of {result['repeat']} runs of the real CLI in a subprocess each. compute: "
         "the work alone (feature node seconds + the training loop + the replay, from the "
         "run's summary); overhead: wall - compute. Extra parameters: "
-        f"`{json.dumps(result['extra'])}`.",
+        f"`{json.dumps(result['extra'])}`. process: `warm` a child of the warm process "
+        "(quantloop/forkserver.py, started and waited for before the first run), "
+        "`in-process` the command's own interpreter.",
         "",
     ]
     if result.get("peer"):
@@ -274,6 +307,7 @@ def markdown(result: dict) -> str:
                     ratio,
                     " ".join(m["hits"]),
                     ", ".join(f"{w:.1f}" for w in m["wall_all_s"]),
+                    " ".join(m.get("process", [])),
                 )
             )
     lines += [
@@ -287,12 +321,22 @@ def markdown(result: dict) -> str:
                 "wall / compute",
                 "feature hits",
                 "each run's wall s",
+                "process",
             ),
             rows,
-            numeric=[False, False, True, True, True, True, False, False],
+            numeric=[False, False, True, True, True, True, False, False, False],
         ),
         "",
     ]
+    for data, cases in result["data"].items():
+        warm, inproc = cases.get("no-op"), cases.get(IN_PROCESS)
+        if warm and inproc:
+            lines += [
+                f"{data}: the no-op re-run by the warm process {warm['wall_s']:.1f} s against "
+                f"{inproc['wall_s']:.1f} s in-process: {inproc['wall_s'] / warm['wall_s']:.2f}x "
+                "shorter.",
+                "",
+            ]
     lines += ["## Where the time goes (median seconds per phase)", ""]
     names = [*PHASES, "flow overhead", "after exit handlers"]
     rows = []
@@ -353,8 +397,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--cases",
-        default=",".join(CASES),
-        help="cold and no-op always run; add 'feature changed', 'training changed'",
+        default=",".join((*CASES, IN_PROCESS)),
+        help="cold and no-op always run; add 'feature changed', 'training changed', "
+        f"'{IN_PROCESS}'",
     )
     args = parser.parse_args()
     extra = json.loads(args.params.read_text()) if args.params else {}
@@ -382,6 +427,9 @@ def main() -> None:
         result["stamp"] = stamp()
         return write(args.name, result, markdown(result), folder)
 
+    warm = warm_up(env)
+    result["warm_process"] = warm is not None
+    print(f"warm process: {warm or 'none'}", flush=True)
     try:
         for data in args.data.split(","):
             if data == "lobster" and not LOBSTER.is_dir():

@@ -88,9 +88,10 @@ def address(env: dict[str, str] | None = None) -> str:
         (k, v) for k, v in env.items()
         if k not in OWN_ENV and (k in IMPORT_ENV_NAMES or k.startswith(IMPORT_ENV_PREFIXES))
     )  # fmt: skip
-    # sys.path less the script's folder (`quantloop`'s bin/, or none with -P)
-    path = sys.path if sys.flags.safe_path else sys.path[1:]
-    key = json.dumps([sys.executable, sys.prefix, here, os.getuid(), path,
+    # Not sys.path: it is the interpreter's, its prefix's (site-packages) and PYTHONPATH's,
+    # all in the key, plus the script's folder, which differs between callers (and which
+    # the child takes from its client).
+    key = json.dumps([os.path.realpath(sys.executable), sys.prefix, here, os.getuid(),
                       _flags(), imported])  # fmt: skip
     return "\0quantloop-forkserver-" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
@@ -164,6 +165,21 @@ def run(argv: list[str], started: float) -> int | None:
         return 1
 
 
+def ping(env: dict[str, str] | None = None, timeout: float = 300.0) -> int | None:
+    """The pid of the server for `env` (this process's environment by default) once it
+    has done its imports, or None when there is none."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    with sock:
+        try:
+            sock.connect(address(env))
+            sock.sendall(b'{"ping": true}\n')
+            answer = sock.makefile("rb").readline()
+        except OSError:
+            return None
+    return json.loads(answer)["pong"] if answer else None
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -220,6 +236,10 @@ def serve(name: str, idle_s: float) -> None:
             _log(f"a bad request: {exc}")
             conn.close()
             continue
+        if request.get("ping"):
+            _send(conn, {"pong": os.getpid()})
+            conn.close()
+            continue
         changed = _changed(files)
         if changed:
             # Release the address first, so the client's new server can take it.
@@ -254,11 +274,12 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
                 got = array.array("i")
                 got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
                 fds.extend(got)
-    if len(fds) != 3:
+    request = json.loads(data)
+    if len(fds) != (0 if request.get("ping") else 3):
         for fd in fds:
             os.close(fd)
         raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
-    return json.loads(data), fds
+    return request, fds
 
 
 def _module_files() -> dict[str, tuple[int, int]]:
