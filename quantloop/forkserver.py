@@ -411,5 +411,9 @@ if __name__ == "__main__":
     # The module itself, not this `__main__` copy: the child's IN_CHILD is read there.
     from quantloop import forkserver
 
+    if sys.argv[1:] == ["--ping"]:  # the pid of this environment's ready server, or exit 1
+        pid = forkserver.ping()
+        print(pid or "no warm process")
+        sys.exit(0 if pid else 1)
     idle = float(os.environ.get("QUANTLOOP_FORKSERVER_IDLE_S", IDLE_S))
     forkserver.serve("\0" + sys.argv[1], idle)
