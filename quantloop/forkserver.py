@@ -33,6 +33,7 @@ QUANTLOOP_FORKSERVER_IDLE_S (600) is how long an unused server stays.
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import json
 import os
@@ -219,6 +220,13 @@ def serve(name: str, idle_s: float) -> None:
     for module in WARM_MODULES:
         importlib.import_module(module)
     files = _module_files()
+    cuda = _cuda_opened()
+    if cuda is not None:
+        # A forked child cannot use a CUDA context its parent made: serve no one.
+        _log(f"an import opened {cuda} (CUDA initialized): not serving; commands run "
+             "in-process")  # fmt: skip
+        listener.close()
+        return
     _log(f"pid {os.getpid()} ready in {time.perf_counter() - t0:.1f} s, "
          f"{len(files)} module files watched, idle timeout {idle_s:.0f} s")  # fmt: skip
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
@@ -293,6 +301,19 @@ def _module_files() -> dict[str, tuple[int, int]]:
                 continue
             files[path] = (st.st_mtime_ns, st.st_size)
     return files
+
+
+def _cuda_opened() -> str | None:
+    """A /dev/nvidia* device this process holds open (CUDA's driver was initialized)."""
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith("/dev/nvidia"):
+                    return target
+    except OSError:
+        pass
+    return None
 
 
 def _changed(files: dict[str, tuple[int, int]]) -> str | None:
