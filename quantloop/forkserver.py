@@ -128,21 +128,30 @@ def run(argv: list[str], started: float) -> int | None:
         start_server(name)
         return None
     with sock:
-        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
+        try:
+            cwd = os.getcwd()
+        except OSError:  # a folder removed under the shell: the command says so itself
+            return None
+        request = {"argv": argv, "env": dict(os.environ), "cwd": cwd,
                    "umask": _umask(), "path": sys.path, "started": started}  # fmt: skip
+        data = json.dumps(request).encode() + b"\n"
         fds = array.array("i", [0, 1, 2])
-        sock.sendmsg([json.dumps(request).encode() + b"\n"],
-                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])  # fmt: skip
+        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        sock.sendall(data[sent:])
         reader = sock.makefile("rb")
         child = None
         forwarded = {}
 
         def forward(signum, _frame):
-            if child is not None:
-                try:
-                    os.kill(child, signum)
-                except ProcessLookupError:
-                    pass
+            if child is None:
+                # Still waiting for the server (its imports): stop here with the shell's
+                # status for the signal (130 for Ctrl-C); a child forked later finds us
+                # gone and ends itself.
+                sys.exit(128 + signum)
+            try:
+                os.kill(child, signum)
+            except ProcessLookupError:
+                pass
 
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             forwarded[signum] = signal.signal(signum, forward)
@@ -237,9 +246,10 @@ def serve(name: str, idle_s: float) -> None:
         except TimeoutError:
             _log(f"idle for {idle_s:.0f} s: exiting")
             return
-        conn.settimeout(None)
+        conn.settimeout(30)  # a client that connects and sends nothing holds no one up
         try:
             request, fds = _receive(conn)
+            conn.settimeout(None)
         except (OSError, ValueError) as exc:
             _log(f"a bad request: {exc}")
             conn.close()

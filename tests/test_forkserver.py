@@ -232,3 +232,36 @@ def test_off_starts_nothing(tmp_path):
     assert done.returncode == 2
     time.sleep(1)
     assert not w.log.exists()
+
+
+def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp_path):
+    w = Warm(tmp_path)
+    name = forkserver.address(w.env)
+    w.log.parent.mkdir(mode=0o700, parents=True)
+    with open(w.log, "ab") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "quantloop.forkserver", name.lstrip("\0")], env=w.env,
+            stdout=out, stderr=out, start_new_session=True,
+        )  # fmt: skip
+    try:
+        # Bound at once, ready only after its imports (7-8 s here): a client in between
+        # waits in its backlog.
+        import socket
+
+        end = time.monotonic() + 30
+        while True:
+            with socket.socket(socket.AF_UNIX) as probe:
+                if probe.connect_ex(name) == 0:
+                    break
+            assert time.monotonic() < end, "the server never bound its address"
+            time.sleep(0.05)
+        client = subprocess.Popen([str(EXE), "run", "--lobster", str(tmp_path / "absent")],
+                                  env=w.env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        time.sleep(0.5)
+        client.send_signal(signal.SIGINT)
+        assert client.wait(timeout=10) == 130
+        assert w.servers() == [], "the server was ready before the Ctrl-C: nothing shown"
+        assert "Traceback" not in client.stderr.read()
+    finally:
+        server.kill()
+        server.wait()
