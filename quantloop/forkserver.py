@@ -136,8 +136,12 @@ def run(argv: list[str], started: float) -> int | None:
                    "umask": _umask(), "path": sys.path, "started": started}  # fmt: skip
         data = json.dumps(request).encode() + b"\n"
         fds = array.array("i", [0, 1, 2])
-        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-        sock.sendall(data[sent:])
+        try:
+            sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            if sent < len(data):
+                sock.sendall(data[sent:])
+        except OSError:  # the server went away meanwhile (stale code, idle): in-process
+            return None
         reader = sock.makefile("rb")
         child = None
         forwarded = {}

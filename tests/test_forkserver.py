@@ -211,7 +211,10 @@ def test_changed_code_ends_the_server_and_the_command_runs_in_process(warm):
         os.utime(watched, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert any("forkserver.py changed on disk: exiting" in line for line in warm.lines())
     assert warm.forked() == []  # answered in-process, not by a stale child
-    psutil.Process(server).wait(timeout=30)
+    end = time.monotonic() + 30
+    while psutil.pid_exists(server):  # not our child: polled, and it may be gone already
+        assert time.monotonic() < end, "the stale server is still running"
+        time.sleep(0.1)
     assert warm.wait_ready(count=2) != server  # the client started a fresh one
 
 
@@ -220,7 +223,10 @@ def test_an_idle_server_exits(tmp_path):
     try:
         w.cli("run", "--lobster", str(tmp_path / "absent"))
         server = w.wait_ready()
-        psutil.Process(server).wait(timeout=60)
+        end = time.monotonic() + 60
+        while psutil.pid_exists(server):
+            assert time.monotonic() < end, "the idle server is still running"
+            time.sleep(0.2)
         assert any("idle for 2 s: exiting" in line for line in w.lines())
     finally:
         w.stop()
