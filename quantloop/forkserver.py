@@ -27,7 +27,9 @@ What keeps a child the same as an in-process command:
   abstract Unix socket, Linux only (elsewhere every command runs in-process).
 
 QUANTLOOP_FORKSERVER=0 turns it off (every command in-process, nothing started);
-QUANTLOOP_FORKSERVER_IDLE_S (600) is how long an unused server stays.
+QUANTLOOP_FORKSERVER_IDLE_S (600) is how long an unused server stays;
+`python -m quantloop.forkserver --ping` prints the ready server's pid for this
+environment, `--stop` stops it.
 """
 
 from __future__ import annotations
@@ -179,15 +181,17 @@ def run(argv: list[str], started: float) -> int | None:
         return 1
 
 
-def ping(env: dict[str, str] | None = None, timeout: float = 300.0) -> int | None:
+def ping(env: dict[str, str] | None = None, timeout: float = 300.0, *, stop: bool = False
+         ) -> int | None:  # fmt: skip
     """The pid of the server for `env` (this process's environment by default) once it
-    has done its imports, or None when there is none."""
+    has done its imports, or None when there is none; with `stop`, it exits after it
+    answers (commands it forked run on)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     with sock:
         try:
             sock.connect(address(env))
-            sock.sendall(b'{"ping": true}\n')
+            sock.sendall(json.dumps({"ping": True, "stop": stop}).encode() + b"\n")
             answer = sock.makefile("rb").readline()
         except OSError:
             return None
@@ -259,8 +263,13 @@ def serve(name: str, idle_s: float) -> None:
             conn.close()
             continue
         if request.get("ping"):
+            if request.get("stop"):
+                listener.close()
+                _log("asked to stop: exiting")
             _send(conn, {"pong": os.getpid()})
             conn.close()
+            if request.get("stop"):
+                return
             continue
         changed = _changed(files)
         if changed:
@@ -446,8 +455,9 @@ if __name__ == "__main__":
     # The module itself, not this `__main__` copy: the child's IN_CHILD is read there.
     from quantloop import forkserver
 
-    if sys.argv[1:] == ["--ping"]:  # the pid of this environment's ready server, or exit 1
-        pid = forkserver.ping()
+    if sys.argv[1:] in (["--ping"], ["--stop"]):
+        # the pid of this environment's ready server (--stop: which then exits), or exit 1
+        pid = forkserver.ping(stop=sys.argv[1] == "--stop")
         print(pid or "no warm process")
         sys.exit(0 if pid else 1)
     idle = float(os.environ.get("QUANTLOOP_FORKSERVER_IDLE_S", IDLE_S))

@@ -232,6 +232,21 @@ def test_an_idle_server_exits(tmp_path):
         w.stop()
 
 
+def test_stop_ends_the_server_and_the_next_command_starts_another(warm):
+    server = warm.servers()[-1]
+    stop = [sys.executable, "-m", "quantloop.forkserver", "--stop"]
+    done = subprocess.run(stop, env=warm.env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == str(server)
+    end = time.monotonic() + 30
+    while psutil.pid_exists(server):
+        assert time.monotonic() < end, "the stopped server is still running"
+        time.sleep(0.1)
+    again = subprocess.run(stop, env=warm.env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "no warm process" in again.stdout
+    assert warm.cli("run", "--lobster", "/absent").returncode == 2  # in-process
+    assert warm.wait_ready(count=2) != server
+
+
 def test_off_starts_nothing(tmp_path):
     w = Warm(tmp_path, QUANTLOOP_FORKSERVER="0")
     done = w.cli("run", "--lobster", str(tmp_path / "absent"))
