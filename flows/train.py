@@ -4,10 +4,15 @@ fold's training part and keyed by its training window, so folds cache like featu
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime as dt
 import io
 import json
 import os
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import asdict
 
 import torch
@@ -220,6 +225,8 @@ def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
     if parent_run_id is not None:
         run_id, version = _record(stage, parent_run_id, config, outputs, trained, ran_at["site"],
                                   plan)  # fmt: skip
+        if isinstance(version, Future):  # registered in the background: the caller joins it
+            version = None
     fold_models = [
         FoldModel(
             index=fold.index,
@@ -321,6 +328,56 @@ def record_lineage(
     storage.write_bytes_atomic(url, json.dumps(record, indent=1).encode())
 
 
+# A research run registers the train stage's model in the background while its simulation
+# runs (registry.register: torch.export and the uploads, 2 s on CPU here and 7.6 s for the
+# CUDA model on an H200, bench/results/turnaround-h200.md), inside records_in_background().
+# Elsewhere (the train flow alone, retrain) _record registers before it returns.
+_DEFERRED: contextvars.ContextVar[list[Future] | None] = contextvars.ContextVar(
+    "quantloop_train_records_in_background", default=None
+)
+
+
+@contextlib.contextmanager
+def records_in_background() -> Iterator[list[Future]]:
+    """Inside this block, each train flow ends its MLflow "train" run and registers its
+    model in a thread: the list gets a Future per train flow, of its ModelVersion, and its
+    TrainSummary says no version (`with_version` adds it). The block's end waits for every
+    one; an error of one is raised there unless another is already on its way."""
+    pending: list[Future] = []
+    token = _DEFERRED.set(pending)
+    try:
+        yield pending
+    except BaseException:
+        for future in pending:
+            with contextlib.suppress(BaseException):
+                future.result()
+        raise
+    finally:
+        _DEFERRED.reset(token)
+    for future in pending:
+        future.result()
+
+
+def with_version(trained: TrainSummary, version: ModelVersion) -> TrainSummary:
+    """The summary of a train flow whose model was registered in the background."""
+    return trained.model_copy(
+        update={"registered_model": version.name, "model_version": str(version.version)}
+    )
+
+
+def _in_thread(work) -> Future:
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever joins
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name="train-registration", daemon=False).start()
+    return future
+
+
 def _record(
     stage: StageParams,
     parent_run_id: str,
@@ -329,11 +386,12 @@ def _record(
     trained: list[tuple[Fold, Keyed[TrainResult], dict[Partition, FeatureOutput], int]],
     site: str,
     plan: Plan,
-) -> tuple[str, ModelVersion]:
+) -> tuple[str, ModelVersion | Future]:
     """The "train" MLflow child run, with every fold's figures, and the last fold's model
     (trained on the most recent data) as a version in the Model Registry; the version of a
     cached model is found by its key, not registered again. Earlier folds' models are
-    not registered: they exist to test their own windows.
+    not registered: they exist to test their own windows. Inside records_in_background(),
+    the registration and the run's end go to a thread: a Future of the version.
 
     The rungs applied and the ladder result they relied on (file, commit, date) are the
     model's (a cached model keeps those it was trained with); the plan is this run's."""
@@ -354,79 +412,99 @@ def _record(
         }),
         "model_digest": result.model_digest,
     }  # fmt: skip
-    with tracking.run(client, experiment, "train", parent=parent_run_id) as run:
-        run.params({f"train.{k}": v for k, v in asdict(config).items()})
-        run.params({f"plan.{k}": v for k, v in plan.record().items()})
-        proof = result.ladder_result or {}
-        run.params({f"ladder.{k}": v for k, v in proof.items()})
-        run.params({f"validation.{k}": v for k, v in validation.items()})
-        run.params(
-            {
-                "features_hash": sha256_json(stage.features.canonical()),
-                "partitions": len(outputs),
-                "folds": len(trained),
-            }
-        )
-        run.tags({"model_key": model.key, "site": site, "cache_hit": model.cache_hit,
-                  "rungs": ",".join(result.rungs) or "none", "fold_window": window_tag(last_fold),
-                  **digests})  # fmt: skip
-        measured = {
-            "steady_samples_per_s": result.steady_samples_per_s,
-            "step_ms": result.step_ms,
-            "warmup_s": result.warmup_s,
-            "gpu_util": result.gpu_util,
-            "peak_mem_gb": result.peak_mem_gb,
+    stack = contextlib.ExitStack()
+    run = stack.enter_context(tracking.run(client, experiment, "train", parent=parent_run_id))
+    try:
+        _record_figures(run, stage, config, outputs, trained, site, plan, digests, validation)
+    except BaseException:
+        if not stack.__exit__(*sys.exc_info()):  # the run ends FAILED
+            raise
+    tags = {**digests, "train_run_id": run.run_id, "research_run_id": parent_run_id,
+            "train_config": json.dumps(asdict(config)), "validation": json.dumps(validation),
+            "fold_window": window_tag(last_fold), "rungs": ",".join(result.rungs) or "none",
+            "ladder_result": json.dumps(result.ladder_result)}  # fmt: skip
+    example = parts[min(parts)].read()
+
+    def register() -> ModelVersion:
+        with stack:  # the run ends FINISHED, or FAILED if this raises
+            version = registry.register(
+                client, tracking_block.resolved_uri(), experiment, run.run_id, result, example,
+                name=tracking_block.candidates, model_key=model.key, tags=tags,
+                log=run,  # its step-0 metrics become the logged model's, sent once at the end
+            )  # fmt: skip
+            run.tags({"registered_model": version.name, "model_version": version.version})
+            run.dataset(name=stage.selection.dataset, digest=digests["data_digest"],
+                        context="training", rows=len(outputs),
+                        source=storage.join(stage.workspace.resolve_site().root, "datasets",
+                                            stage.selection.dataset))  # fmt: skip
+            return version
+
+    pending = _DEFERRED.get()
+    if pending is None:
+        return run.run_id, register()
+    pending.append(_in_thread(register))
+    return run.run_id, pending[-1]
+
+
+def _record_figures(run, stage, config, outputs, trained, site, plan, digests, validation):
+    """What the "train" run records before its model: parameters, tags, metrics, the loss
+    curves, the folds, the loss-curve plot (drawn here: pyplot is not for two threads)."""
+    last_fold, model, parts, _ = trained[-1]
+    result = model.value
+    run.params({f"train.{k}": v for k, v in asdict(config).items()})
+    run.params({f"plan.{k}": v for k, v in plan.record().items()})
+    proof = result.ladder_result or {}
+    run.params({f"ladder.{k}": v for k, v in proof.items()})
+    run.params({f"validation.{k}": v for k, v in validation.items()})
+    run.params(
+        {
+            "features_hash": sha256_json(stage.features.canonical()),
+            "partitions": len(outputs),
+            "folds": len(trained),
         }
-        per_fold = {}
-        for fold, m, fold_parts, across in trained:
-            r, k = m.value, f"fold{fold.index}"
-            per_fold |= {f"{k}.final_loss": r.loss_curve[-1], f"{k}.samples": r.samples,
-                         f"{k}.cache_hit": float(m.cache_hit), f"{k}.duration_s": r.duration_s,
-                         f"{k}.partitions": len(fold_parts),
-                         f"{k}.bytes_across_sites": float(across)}  # fmt: skip
-        run.metrics(
-            {
-                "samples": result.samples,
-                "samples_per_s": result.samples_per_s,
-                "duration_s": result.duration_s,
-                "final_loss": result.loss_curve[-1],
-                "cache_hit": float(model.cache_hit),
-                "rungs_applied": float(len(result.rungs)),
-                "bytes_across_sites": float(sum(across for *_, across in trained)),
-                "folds": len(trained),
-                "folds_cached": sum(m.cache_hit for _, m, _, _ in trained),
-                **per_fold,
-                **{k: v for k, v in measured.items() if v is not None},
-            }
-        )
-        steps = [(i + 1) * config.log_every for i in range(len(result.loss_curve))]
-        run.series("loss", result.loss_curve, steps)  # the registered (last) model's
-        for fold, m, _, _ in trained[:-1]:
-            curve = m.value.loss_curve
-            run.series(f"fold{fold.index}.loss", curve,
-                       [(i + 1) * config.log_every for i in range(len(curve))])  # fmt: skip
-        run.json([{"index": fold.index, "window": fold.window(), "model_key": m.key,
-                   "model_digest": m.value.model_digest, "model_url": m.url,
-                   "cache_hit": m.cache_hit, "feature_keys": sorted(o.key for o in p.values())}
-                  for fold, m, p, _ in trained], "folds.json", "folds")  # fmt: skip
-        run.file(
-            loss_curve_png(stage, model.key, result.loss_curve, config.log_every), "loss_curve.png"
-        )
-        version = registry.register(
-            client, tracking_block.resolved_uri(), experiment, run.run_id, result,
-            parts[min(parts)].read(), name=tracking_block.candidates,
-            model_key=model.key, tags={**digests, "train_run_id": run.run_id,
-                                       "research_run_id": parent_run_id,
-                                       "train_config": json.dumps(asdict(config)),
-                                       "validation": json.dumps(validation),
-                                       "fold_window": window_tag(last_fold),
-                                       "rungs": ",".join(result.rungs) or "none",
-                                       "ladder_result": json.dumps(result.ladder_result)},
-            log=run,  # its step-0 metrics become the logged model's, sent once at the end
-        )  # fmt: skip
-        run.tags({"registered_model": version.name, "model_version": version.version})
-        run.dataset(name=stage.selection.dataset, digest=digests["data_digest"],
-                    context="training", rows=len(outputs),
-                    source=storage.join(stage.workspace.resolve_site().root, "datasets",
-                                        stage.selection.dataset))  # fmt: skip
-        return run.run_id, version
+    )
+    run.tags({"model_key": model.key, "site": site, "cache_hit": model.cache_hit,
+              "rungs": ",".join(result.rungs) or "none", "fold_window": window_tag(last_fold),
+              **digests})  # fmt: skip
+    measured = {
+        "steady_samples_per_s": result.steady_samples_per_s,
+        "step_ms": result.step_ms,
+        "warmup_s": result.warmup_s,
+        "gpu_util": result.gpu_util,
+        "peak_mem_gb": result.peak_mem_gb,
+    }
+    per_fold = {}
+    for fold, m, fold_parts, across in trained:
+        r, k = m.value, f"fold{fold.index}"
+        per_fold |= {f"{k}.final_loss": r.loss_curve[-1], f"{k}.samples": r.samples,
+                     f"{k}.cache_hit": float(m.cache_hit), f"{k}.duration_s": r.duration_s,
+                     f"{k}.partitions": len(fold_parts),
+                     f"{k}.bytes_across_sites": float(across)}  # fmt: skip
+    run.metrics(
+        {
+            "samples": result.samples,
+            "samples_per_s": result.samples_per_s,
+            "duration_s": result.duration_s,
+            "final_loss": result.loss_curve[-1],
+            "cache_hit": float(model.cache_hit),
+            "rungs_applied": float(len(result.rungs)),
+            "bytes_across_sites": float(sum(across for *_, across in trained)),
+            "folds": len(trained),
+            "folds_cached": sum(m.cache_hit for _, m, _, _ in trained),
+            **per_fold,
+            **{k: v for k, v in measured.items() if v is not None},
+        }
+    )
+    steps = [(i + 1) * config.log_every for i in range(len(result.loss_curve))]
+    run.series("loss", result.loss_curve, steps)  # the registered (last) model's
+    for fold, m, _, _ in trained[:-1]:
+        curve = m.value.loss_curve
+        run.series(f"fold{fold.index}.loss", curve,
+                   [(i + 1) * config.log_every for i in range(len(curve))])  # fmt: skip
+    run.json([{"index": fold.index, "window": fold.window(), "model_key": m.key,
+               "model_digest": m.value.model_digest, "model_url": m.url,
+               "cache_hit": m.cache_hit, "feature_keys": sorted(o.key for o in p.values())}
+              for fold, m, p, _ in trained], "folds.json", "folds")  # fmt: skip
+    run.file(
+        loss_curve_png(stage, model.key, result.loss_curve, config.log_every), "loss_curve.png"
+    )
