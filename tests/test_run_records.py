@@ -47,6 +47,8 @@ def test_stage_child_runs_span_the_stages_work(recorded):
         if name == "train":
             # its model is registered in the background while the simulation runs
             # (flows/train.records_in_background): the run ends with the registration
+            # (torch.export and the uploads, seconds), after the stage has returned
+            assert end > stage_end, ("train registered before its stage ended", end, stage_end)
             sim = spans["simulate"]
             stage_end = max(stage_end, origin + sim.start_s + sim.seconds)
         # Inside the stage (its Prefect subflow starts a little after the phase opens) ...
