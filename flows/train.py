@@ -10,9 +10,8 @@ import io
 import json
 import os
 import sys
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 
 import torch
@@ -335,6 +334,7 @@ def record_lineage(
 _DEFERRED: contextvars.ContextVar[list[Future] | None] = contextvars.ContextVar(
     "quantloop_train_records_in_background", default=None
 )
+_REGISTRATION = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-registration")
 
 
 @contextlib.contextmanager
@@ -363,19 +363,6 @@ def with_version(trained: TrainSummary, version: ModelVersion) -> TrainSummary:
     return trained.model_copy(
         update={"registered_model": version.name, "model_version": str(version.version)}
     )
-
-
-def _in_thread(work) -> Future:
-    future: Future = Future()
-
-    def target() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever joins
-            future.set_exception(exc)
-
-    threading.Thread(target=target, name="train-registration", daemon=False).start()
-    return future
 
 
 def _record(
@@ -442,7 +429,7 @@ def _record(
     pending = _DEFERRED.get()
     if pending is None:
         return run.run_id, register()
-    pending.append(_in_thread(register))
+    pending.append(_REGISTRATION.submit(register))
     return run.run_id, pending[-1]
 
 

@@ -63,11 +63,7 @@ class Warm:
         return self.servers()[-1]
 
     def stop(self) -> None:
-        for pid in self.servers():
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
+        _kill(self.servers())
 
 
 @pytest.fixture
@@ -130,7 +126,7 @@ def warm_api(tmp_path_factory, prefect_api):
 
 def _run_until_dask(warm: Warm, tmp_path: Path):
     """A research run forked by the server, once its Dask processes are up: (client
-    Popen, child pid, the child's descendants)."""
+    Popen, {pid: create time} of the forked command and its descendants)."""
     params = tmp_path / "params.json"
     params.write_text(json.dumps(TINY))
     before = set(warm.forked())
@@ -150,7 +146,16 @@ def _run_until_dask(warm: Warm, tmp_path: Path):
         assert client.poll() is None, client.stderr.read()
         assert time.monotonic() < end, "never saw Dask"
         time.sleep(0.05)
-    return client, child, {p.pid: p.create_time() for p in proc.children(recursive=True)}
+    return client, {p.pid: p.create_time() for p in (proc, *proc.children(recursive=True))}
+
+
+def _kill(pids) -> None:
+    """Whatever of `pids` still runs: a test leaves nothing behind, whatever its outcome."""
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
 
 
 def _gone(pids: dict[int, float], timeout: float = 30) -> list[int]:
@@ -171,34 +176,24 @@ def _gone(pids: dict[int, float], timeout: float = 30) -> list[int]:
 
 @pytest.mark.slow
 def test_kill_9_of_the_client_ends_its_command_and_what_it_started(warm_api, tmp_path):
-    client, child, started = _run_until_dask(warm_api, tmp_path)
-    watched = {child: psutil.Process(child).create_time(), **started}
+    client, watched = _run_until_dask(warm_api, tmp_path)
     try:
         os.kill(client.pid, signal.SIGKILL)
         client.wait()
         assert _gone(watched) == [], "left running after kill -9 of the client"
     finally:
-        for pid in watched:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
+        _kill(watched)
 
 
 @pytest.mark.slow
 def test_ctrl_c_reaches_the_command_which_stops_cleanly(warm_api, tmp_path):
-    client, child, started = _run_until_dask(warm_api, tmp_path)
-    watched = {child: psutil.Process(child).create_time(), **started}
+    client, watched = _run_until_dask(warm_api, tmp_path)
     try:
         os.kill(client.pid, signal.SIGINT)
         assert client.wait(timeout=120) == 130  # what the command answers in-process too
         assert _gone(watched) == []
     finally:
-        for pid in watched:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
+        _kill(watched)
 
 
 def test_changed_code_ends_the_server_and_the_command_runs_in_process(warm):
