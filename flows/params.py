@@ -189,8 +189,9 @@ class ResearchParams(BaseModel):
             dates = business_days(self.data.start_date, self.data.n_dates)
         else:
             # Checked streaming, no table kept: memory is a block of a file, whatever the
-            # folder's size (the data stage reads the files again to land them).
-            days = scan_lobster_folder(self.data.lobster_dir)
+            # folder's size (the data stage reads the files again to land them). A file
+            # unchanged since a run of this workspace read it is not read (sources.py).
+            days = scan_lobster_folder(self.data.lobster_dir, home=self.workspace.home_abs)
             rows = {}
             for day in days:
                 rows[day.product] = max(rows.get(day.product, 0), day.rows)

@@ -59,7 +59,7 @@ def land_data(params: ResearchParams) -> Selection:
     report = lambda done, total: progress.report("data", done, total)  # noqa: E731
     if data.lobster_dir:
         landed = land_lobster(catalog, site.root, data.lobster_dir, site=site.name,
-                              progress=report,
+                              progress=report, home=ws.home_abs,
                               note=lambda line: progress.note("data", line))  # fmt: skip
         dataset = "lobster"
     else:

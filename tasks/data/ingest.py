@@ -226,6 +226,20 @@ def find_lobster(folder: str | Path, *, recursive: bool = False) -> list[Path]:
     return sorted(found)
 
 
+def source_files(path: str | Path) -> list[Path]:
+    """The files a LOBSTER source (`find_lobster`'s item) reads: a zip itself, a message
+    CSV and the orderbook CSV beside it. What tasks/data/sources.py stats to know whether
+    a source changed since it was read."""
+    path = Path(path)
+    parsed = None if path.suffix.lower() == ".zip" else _NAME_RE.match(path.name)
+    if parsed is None:
+        return [path]
+    kind = parsed["kind"]
+    other = "orderbook" if kind == "message" else "message"
+    partner = path.name[: parsed.start("kind")] + other + path.name[parsed.end("kind") :]
+    return [path, path.with_name(partner)]
+
+
 class DaySink(Protocol):
     """Where a day's rows go as they are read and checked (`stream_lobster`)."""
 

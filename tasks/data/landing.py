@@ -23,6 +23,7 @@ from quantloop.tasks.data.ingest import (
     stream_lobster,
 )
 from quantloop.tasks.data.schema import Partition, book_schema
+from quantloop.tasks.data.sources import SourceIndex
 from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day
 from quantloop.tasks.engine import code_fingerprint, sha256_json
 from quantloop.tasks.engine.storage import ParquetStream
@@ -83,11 +84,33 @@ def read_lobster_folder(
 
 
 def scan_lobster_folder(
-    folder: str | Path, *, limits: IngestLimits | None = None
+    folder: str | Path,
+    *,
+    limits: IngestLimits | None = None,
+    home: str | None = None,
 ) -> list[ScannedDay]:
     """What `read_lobster_folder` checks, keeping no table: a block of each file is all it
-    holds, whatever the size of the folder (`quantloop run`'s checks before it starts)."""
-    return _each_file(folder, lambda f: scan_lobster(f, limits=limits))
+    holds, whatever the size of the folder (`quantloop run`'s checks before it starts).
+
+    home: a workspace home whose source index (tasks/data/sources.py) says what the files
+    held when last read; a file unchanged since is not read again."""
+    limits = limits or IngestLimits.from_env()
+    index = SourceIndex.in_home(home, limits) if home else None
+
+    def read(f: Path) -> list[ScannedDay]:
+        if index is None:
+            return scan_lobster(f, limits=limits)
+        if (known := index.get(f)) is not None:
+            return known.days
+        taken = index.stamp(f)
+        days = scan_lobster(f, limits=limits)
+        index.put(f, taken, days)
+        return days
+
+    days = _each_file(folder, read)
+    if index is not None:
+        index.save()  # only once every file is valid: a refused folder writes nothing
+    return days
 
 
 def _each_file(folder: str | Path, read: Callable[[Path], list]) -> list:
@@ -122,9 +145,14 @@ def land_lobster(
     progress: Callable[[int, int], None] | None = None,
     note: Callable[[str], None] | None = None,
     limits: IngestLimits | None = None,
+    home: str | None = None,
 ) -> list[Landed]:
     """Ingest every LOBSTER file in a folder (or one file) and land it; `progress` gets
     (landed, total), `note` each line a watcher should see (a superseded file).
+
+    home: a workspace home whose source index (tasks/data/sources.py) knows the files:
+    when every file is unchanged since it was landed and the catalog still holds the
+    versions they landed as, intact, nothing is read (every partition "unchanged").
 
     LOBSTER ships one file per depth for the same ticker and day; a deeper file
     holds every message of a shallower one (the shallower only drops messages
@@ -138,8 +166,19 @@ def land_lobster(
     nothing (its own day's file and the ones written before it are removed; the files
     after it are only checked), and the error lists every bad file.
     """
+    limits = limits or IngestLimits.from_env()
+    index = SourceIndex.in_home(home, limits) if home else None
+    if index is not None:
+        known = _unchanged(catalog, dataset, folder, index)
+        if known is not None:
+            days, chosen, landed = known
+            _note_superseded(days, chosen, note)
+            if progress:
+                progress(len(landed), len(landed))
+            return landed
     staged: dict[Partition, tuple[ScannedDay, ParquetStream]] = {}
     opened: list[ParquetStream] = []
+    read_from: dict[Path, tuple[tuple, list[ScannedDay]]] = {}
     failed = False
 
     def sink_for(part: Partition, levels: int, source: str) -> ParquetStream | None:
@@ -151,6 +190,7 @@ def land_lobster(
 
     def read(f: Path) -> list[ScannedDay]:
         nonlocal failed
+        taken = index.stamp(f) if index is not None else None
         try:
             days = stream_lobster(f, sink_for, limits=limits)
         except DataValidationError:
@@ -166,20 +206,12 @@ def land_lobster(
                     staged[day.partition] = (day, sink)
                 else:
                     sink.discard()
-        return [day for day, _ in days]
+        read_from[f] = (taken, [day for day, _ in days])
+        return read_from[f][1]
 
     try:
         days = _each_file(folder, read)
-        for day in days:
-            chosen = staged[day.partition][0]
-            if chosen is not day:
-                line = (
-                    f"{day.source} ({day.levels} levels) superseded by {chosen.source} "
-                    f"({chosen.levels} levels) for {day.product}/{day.date}"
-                )
-                log.warning(line)
-                if note:
-                    note(line)
+        _note_superseded(days, {p: held[0] for p, held in staged.items()}, note)
         landed = []
         for part in sorted(staged):
             day, written = staged[part]
@@ -187,9 +219,67 @@ def land_lobster(
                                               source=day.source))  # fmt: skip
             if progress:
                 progress(len(landed), len(staged))
+        if index is not None:
+            digest_of = {x.entry.partition: x.entry.digest for x in landed}
+            for f, (taken, file_days) in read_from.items():
+                index.put(f, taken, file_days, [
+                    digest_of[d.partition] if staged[d.partition][0] is d else None
+                    for d in file_days
+                ])  # fmt: skip
+            index.save()
         return landed
     finally:
         # What did not land (a failure, a superseded day), newest first: each removes the
         # folders it made, once empty, so a refused folder leaves the store as it was.
         for written in reversed(opened):
             written.discard()
+
+
+def _note_superseded(
+    days: list[ScannedDay],
+    chosen: dict[Partition, ScannedDay],
+    note: Callable[[str], None] | None,
+) -> None:
+    for day in days:
+        deepest = chosen[day.partition]
+        if deepest is not day:
+            line = (
+                f"{day.source} ({day.levels} levels) superseded by {deepest.source} "
+                f"({deepest.levels} levels) for {day.product}/{day.date}"
+            )
+            log.warning(line)
+            if note:
+                note(line)
+
+
+def _unchanged(
+    catalog: Catalog, dataset: str, folder: str | Path, index: SourceIndex
+) -> tuple[list[ScannedDay], dict[Partition, ScannedDay], list[Landed]] | None:
+    """A landing that reads nothing, when the index knows every file of the folder as it
+    is now and the catalog's current version of each partition is the one its deepest
+    file landed as, intact (what reading them all would find: every partition
+    "unchanged"); None otherwise, and the folder is read."""
+    folder = Path(folder)
+    try:
+        files = [folder] if not folder.is_dir() else find_lobster(folder)
+    except OSError:
+        return None
+    known = [index.get(f) for f in files]
+    if not files or any(k is None for k in known):
+        return None
+    days: list[ScannedDay] = []
+    chosen: dict[Partition, tuple[ScannedDay, str | None]] = {}
+    for k in known:
+        for day, digest in zip(k.days, k.digests, strict=True):
+            days.append(day)
+            held = chosen.get(day.partition)
+            if held is None or day.levels > held[0].levels:  # as `land_lobster` picks
+                chosen[day.partition] = (day, digest)
+    landed = []
+    for part in sorted(chosen):
+        digest = chosen[part][1]
+        entry = catalog.get(dataset, part)
+        if digest is None or entry is None or entry.digest != digest or not catalog.intact(entry):
+            return None
+        landed.append(Landed(entry, "unchanged"))
+    return days, {p: held[0] for p, held in chosen.items()}, landed
