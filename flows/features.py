@@ -49,6 +49,10 @@ PROGRESS_EVERY_S = 5.0
 # holds two shards' plans, index rows and manifest rows, never the run's (10^6 rows
 # of each are ~0.3-0.6 GB).
 SHARDS_IN_FLIGHT = 2
+# Nodes expected to take less than this in all run in the flow's process when the site
+# would start a LocalCluster for them: its start and stop took 2.7 s of a run that
+# changed one product's features (1-4 nodes of ~0.2-2.5 s) on this 2-core machine.
+INLINE_BELOW_S = 2.5
 
 
 class NodeFailures(RuntimeError):
@@ -95,8 +99,10 @@ def feature_shard(
     if "input_site" in entries.column_names:  # placed: where each input copy is read from
         nodes = nodes.append_column("input_site", entries["input_site"])
     store = NodeStore(store_root)
+    inline_below_s = INLINE_BELOW_S if connect.starts_cluster else 0.0
     result = run_nodes(kind, params, nodes, store, connect=connect, site=site, progress=report,
-                       priority=-shard, verify_hits=verify_hits)  # fmt: skip
+                       priority=-shard, verify_hits=verify_hits,
+                       inline_below_s=inline_below_s)  # fmt: skip
     records.write(shard, result.manifest)
     get_run_logger().info(
         "shard %s: %d nodes, %d cache hits, %d computed, %d failed in %.2f s",

@@ -177,7 +177,7 @@ def simulate(
     )
     # The statistics of these mark-outs are keyed like the mark-outs themselves (with the
     # estimators' code and the trials): a re-run reads them back instead of importing
-    # arch, statsmodels and matplotlib and recomputing (3-5 s of a cached run here).
+    # arch and matplotlib and recomputing (3-5 s of a cached run here).
     stats_output = keyed_output(
         site.root, "statistic",
         output_key("statistics", code=code_fingerprint(simulation, uncertainty, plots),

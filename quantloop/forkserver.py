@@ -75,7 +75,16 @@ WARM_MODULES = (
     "rich.console",
     "rich.progress",
     "rich.table",
+    # what a run that computes imports on the way (py-spy, a run with one product's
+    # features changed): dynamo (every torch.optim optimizer's first __init__, 1.0 s),
+    # the simulation's statistics (0.6-1.2 s) and the MLflow figures (0.3 s)
+    "torch._dynamo",
+    "scipy.stats",
+    "arch.covariance.kernel",
 )
+# called once the modules are in: matplotlib with its Agg backend (pyplot picks a backend
+# at import; plots._pyplot chooses it as a run would)
+WARM_CALLS = ("quantloop.tasks.records.plots:_pyplot",)
 
 
 def enabled() -> bool:
@@ -236,6 +245,9 @@ def serve(name: str, idle_s: float) -> None:
 
     for module in WARM_MODULES:
         importlib.import_module(module)
+    for call in WARM_CALLS:
+        module, _, name = call.partition(":")
+        getattr(importlib.import_module(module), name)()
     files = _module_files()
     cuda = _cuda_opened()
     if cuda is not None:

@@ -106,6 +106,35 @@ def test_rerun_is_all_cache_hits_and_changed_param_reruns_only_its_nodes(landed)
     assert run_nodes(kind, params, backwards, store).manifest["key"].to_pylist() == order[::-1]
 
 
+def test_small_known_work_runs_without_starting_a_cluster(landed):
+    """A cluster to start (`connect`) is not started for nodes whose expected work, from
+    the kind's history, is under `inline_below_s`; the outputs are those the cluster's
+    workers would store. Work with no history, or over the bound, connects."""
+    catalog, store = landed
+    connected: list[int] = []
+
+    def connect():
+        connected.append(1)
+        return None  # run_nodes then runs in-process: what is asserted is the call
+
+    kind, nodes, params = plan(catalog)
+    first = run_nodes(kind, params, nodes, store, connect=connect, inline_below_s=1e9)
+    assert connected == [1] and first.computed == 4  # no history yet: the cluster
+
+    kind, nodes, params = plan(catalog, overrides={"BBB": {"ofi_window": 20}})
+    small = run_nodes(kind, params, nodes, store, connect=connect, inline_below_s=1e9)
+    assert connected == [1] and (small.computed, small.cache_hits) == (2, 2)
+    kind, nodes, params = plan(catalog, overrides={"BBB": {"ofi_window": 30}})
+    run_nodes(kind, params, nodes, store, connect=connect, inline_below_s=1e-9)
+    assert connected == [1, 1]  # expected work over the bound: the cluster
+    alone = NodeStore(str(store.root) + "-alone")
+    kind, nodes, params = plan(catalog, overrides={"BBB": {"ofi_window": 20}})
+    fresh = run_nodes(kind, params, nodes, alone)
+    assert not_hits(small)["output_digest"].equals(
+        fresh.manifest.filter(pc.equal(fresh.manifest["product"], "BBB"))["output_digest"]
+    )
+
+
 def test_partitions_with_identical_content_keep_a_row_each(tmp_path):
     """Two days with the same bytes share a key and an output (content addressing),
     but every node keeps its own manifest row, hit or not."""

@@ -97,6 +97,15 @@ def test_holm_and_sidak():
     assert adjusted["a"] == pytest.approx(0.03)  # smallest of 3 tested: times 3
     assert adjusted["c"] == pytest.approx(0.06) and adjusted["b"] == pytest.approx(0.06)
     assert math.isnan(adjusted["d"])
+    # the same as statsmodels' multipletests, ties and p-values near 1 included
+    from statsmodels.stats.multitest import multipletests
+
+    rng = np.random.default_rng(3)
+    for m in (1, 2, 5, 17):
+        p = np.concatenate([rng.uniform(0, 1, m), [0.02, 0.02, 0.9]])
+        ours = holm({str(i): float(x) for i, x in enumerate(p)})
+        theirs = multipletests(p, method="holm")[1]
+        assert [ours[str(i)] for i in range(len(p))] == pytest.approx(theirs.tolist(), abs=1e-15)
     assert trials_adjusted(0.01, 1) == pytest.approx(0.01)
     assert trials_adjusted(0.01, 5) == pytest.approx(1 - 0.99**5)
     assert math.isnan(trials_adjusted(math.nan, 3))

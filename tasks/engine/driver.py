@@ -58,6 +58,7 @@ def run_nodes(
     progress: Callable[[int, int], None] | None = None,
     priority: int = 0,
     verify_hits: bool = True,
+    inline_below_s: float = 0.0,
 ) -> RunResult:
     """Run the nodes of a plan (NODES_SCHEMA) that are not cached; returns the manifest
     of all of them.
@@ -81,6 +82,10 @@ def run_nodes(
       add tens of ms); off, a hit is trusted unread until something reads it (which
       checks it) or `quantloop verify` does, which the 10^5-10^6-node scale benches
       measure both ways (docs/scale.md).
+    inline_below_s: with `connect` (a cluster to start), run in-process instead when the
+      nodes to run are expected, from the kind's history, to take less than this many
+      seconds in all: less than starting and stopping the cluster would (a LocalCluster
+      of 2 workers: 2.7 s here). Unknown work (no history) goes to the cluster.
     """
     t0 = time.perf_counter()
     total = plan.num_rows
@@ -120,7 +125,10 @@ def run_nodes(
             why = [damaged.get(k) for k in todo["key"].to_pylist()]
             reasons = pa.array([w or r for w, r in zip(why, reasons.to_pylist(), strict=True)])
         todo = todo.append_column("reason", reasons)
-        if client is None and connect is not None:
+        history_s = typical_node_s(history)
+        del history
+        small = history_s is not None and history_s * todo.num_rows < inline_below_s
+        if client is None and connect is not None and not small:
             client = connect()
         # Asked of the scheduler, not read from scheduler_info(): distributed 2026.8's
         # periodic refresh of that cache (n_workers=0) can empty its worker list under
@@ -129,8 +137,6 @@ def run_nodes(
         workers = max(1, len(client.nthreads())) if client is not None else 1
         # Work per node: from the kind's history, then from this run's own batches
         # (whole task times over their nodes, so each task's fixed cost is included).
-        history_s = typical_node_s(history)
-        del history
         measured_s, measured_n = 0.0, 0
         batches = _Batches(client, kind, params, store.root, site, priority)
         finished: list[pa.Table] = []

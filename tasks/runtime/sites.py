@@ -30,6 +30,11 @@ class SiteClient:
         self._lock = threading.Lock()
         self._client = None
 
+    @property
+    def starts_cluster(self) -> bool:
+        """Whether connecting starts a LocalCluster (the site names no scheduler)."""
+        return not self._site.scheduler_address
+
     def __call__(self):
         with self._lock:
             if self._client is None:
