@@ -411,6 +411,7 @@ def _record(
             "fold_window": window_tag(last_fold), "rungs": ",".join(result.rungs) or "none",
             "ladder_result": json.dumps(result.ladder_result)}  # fmt: skip
     example = parts[min(parts)].read()
+    source = tracking.source_tags()  # here: the flow run's context is this thread's
 
     def register() -> ModelVersion:
         with stack:  # the run ends FINISHED, or FAILED if this raises
@@ -418,6 +419,7 @@ def _record(
                 client, tracking_block.resolved_uri(), experiment, run.run_id, result, example,
                 name=tracking_block.candidates, model_key=model.key, tags=tags,
                 log=run,  # its step-0 metrics become the logged model's, sent once at the end
+                source=source,
             )  # fmt: skip
             run.tags({"registered_model": version.name, "model_version": version.version})
             run.dataset(name=stage.selection.dataset, digest=digests["data_digest"],

@@ -125,6 +125,7 @@ def register(
     model_key: str,
     tags: Mapping[str, Any],
     log: tracking.RunLog | None = None,
+    source: Mapping[str, str] | None = None,
 ) -> ModelVersion:
     """Log the model to the run as an MLflow model and register it as a version of
     `name`, its version tagged with `tags` (digests of its data, code and parameters).
@@ -132,13 +133,16 @@ def register(
     A model already registered under `model_key` is found (one search), not logged
     again. `log`: the run's log, whose buffered step-0 metrics become the logged model's
     metrics too when it sends them (MLflow's log_model links the run's metrics so).
-    `uri`: the client's tracking URI (the client's own is what is used)."""
+    `uri`: the client's tracking URI (the client's own is what is used). `source`: the
+    logged model's source tags (tracking.source_tags()), taken by the caller where it
+    runs in another thread than its flow's (no flow run context there)."""
     found = find_version(client, name, model_key)
     if found is not None:
         return found
     with timeline.timed("registration"):
         return _register(client, experiment_id, run_id, result, example_table, name=name,
-                         model_key=model_key, tags=tags, log=log)  # fmt: skip
+                         model_key=model_key, tags=tags, log=log,
+                         source=tracking.source_tags() if source is None else source)  # fmt: skip
 
 
 def _register(
@@ -152,6 +156,7 @@ def _register(
     model_key: str,
     tags: Mapping[str, Any],
     log: tracking.RunLog | None,
+    source: Mapping[str, str],
 ) -> ModelVersion:
     import mlflow.pytorch
     import torch
@@ -168,7 +173,7 @@ def _register(
     # pages list it), with the tags MLflow's own logging gives a model.
     logged = client.create_logged_model(
         experiment_id, name=name, source_run_id=run_id,
-        tags={**tracking.source_tags(), **version_tags},
+        tags={**source, **version_tags},
     )  # fmt: skip
     try:
         with tempfile.TemporaryDirectory(prefix="quantloop-model-") as tmp:

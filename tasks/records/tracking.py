@@ -556,8 +556,15 @@ def param_value(value: Any) -> str:
 
 def _prefect_tags() -> dict[str, str]:
     """The Prefect flow run this MLflow run belongs to, when there is one."""
+    from prefect.context import FlowRunContext
     from prefect.runtime import flow_run
 
+    ctx = FlowRunContext.get()
+    if ctx is not None and ctx.flow_run is not None and ctx.flow is not None:
+        # from the run's own context: prefect.runtime's flow_name asks the API, which a
+        # server restart mid-run made fail (tests/test_faults.py)
+        return {"prefect_flow_run_id": str(ctx.flow_run.id), "prefect_flow": ctx.flow.name,
+                "prefect_flow_run_name": ctx.flow_run.name}  # fmt: skip
     run_id = flow_run.id
     if not run_id:
         return {}
