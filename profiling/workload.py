@@ -142,25 +142,47 @@ class TrainingSet:
         order: np.ndarray,
         max_len: int,
         packing: bool = True,
+        rows_on_grid: bool = False,
     ) -> TrainingSet:
-        """With every step's packing plan fixed up front (or none, if not packing)."""
+        """With every step's packing plan fixed up front (or none, if not packing);
+        rows_on_grid: plan_packing's."""
+        plan = plan_packing(train.lengths, order, max_len, packing, rows_on_grid)
         return cls(features=features, train=train, labels=labels, order=order, max_len=max_len,
-                   **plan_packing(train.lengths, order, max_len, packing))  # fmt: skip
+                   **plan)  # fmt: skip
 
 
-def plan_packing(lengths: np.ndarray, order: np.ndarray, max_len: int, packing: bool) -> dict:
+def plan_packing(
+    lengths: np.ndarray, order: np.ndarray, max_len: int, packing: bool, rows_on_grid: bool = False
+) -> dict:
     """pack_row, pack_off, pack_rows of TrainingSet: the sampler's packing plan, fixed with
-    the order before training starts (zeros and one row when not packing)."""
+    the order before training starts (zeros and one row when not packing). rows_on_grid:
+    pack_rows rounded up by rows_grid, so that another order (seed) of the same windows
+    gives the same batch shape."""
     if not packing:
         zeros = np.zeros(order.shape, np.int64)
         return {"pack_row": zeros, "pack_off": zeros, "pack_rows": 1}
     plans = [pack_plan(lengths[b], max_len) for b in order]
     pack_row = np.stack([row for row, _ in plans])
+    rows = int(pack_row.max()) + 1
     return {
         "pack_row": pack_row,
         "pack_off": np.stack([off for _, off in plans]),
-        "pack_rows": int(pack_row.max()) + 1,
+        "pack_rows": rows_grid(rows) if rows_on_grid else rows,
     }
+
+
+def rows_grid(rows: int) -> int:
+    """`rows` rounded up to a step of an eighth of the power of two below it (75 -> 80,
+    150 -> 160, 12 -> 12): at most an eighth more rows, all padding.
+
+    The packed batch's row count is a compiled shape, and the plan's own count depends on
+    the batch order: on the H200 research workload seeds 0-29 planned 75 to 77 rows and
+    seeds 100-102 76, 75 and 78, so a run that changed only its seed compiled its step again
+    (16 s of warm-up instead of 3 s with the compiled kernels cached,
+    bench/results/turnaround-h200-overlap.log). On the grid they all train on 80 rows and
+    find their kernels; a plan on the far side of a step compiles once more."""
+    step = 1 << max(rows.bit_length() - 4, 0)
+    return -(-rows // step) * step
 
 
 @dataclass(kw_only=True, slots=True)
