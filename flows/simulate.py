@@ -37,7 +37,7 @@ from quantloop.tasks.research.stage import (
     output_key,
     plan_folds,
 )
-from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime import progress, timeline
 from quantloop.tasks.runtime.sites import GPU, gpu_client
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,8 @@ def simulate(
         for fold, model_url in zip(planned, urls, strict=True):
             parts = fold_part(outputs, fold)
             # where it runs decides how it predicts (the fast path on a GPU): part of the key
-            mode, model_digest = at_site(replay.inference_mode, model_url)
+            with timeline.phase("simulate: model check"):
+                mode, model_digest = at_site(replay.inference_mode, model_url)
             key = output_key(
                 "simulation",
                 code=code_fingerprint(simulation, training, inference, folds),
@@ -150,14 +151,15 @@ def simulate(
                 ran["compute_s"] = (ran["compute_s"] or 0.0) + time.perf_counter() - t0
                 return merged
 
-            sim = keyed_output(
-                site.root, "simulation", key, ".parquet",
-                load=lambda url: split_markouts(storage.decode_table(load_checked(url))),
-                compute=compute,
-                save=lambda url, merged: save_checked(
-                    url, storage.parquet_bytes(stack_markouts(merged))
-                ),
-            )  # fmt: skip
+            with timeline.phase("simulate: replay"):
+                sim = keyed_output(
+                    site.root, "simulation", key, ".parquet",
+                    load=lambda url: split_markouts(storage.decode_table(load_checked(url))),
+                    compute=compute,
+                    save=lambda url, merged: save_checked(
+                        url, storage.parquet_bytes(stack_markouts(merged))
+                    ),
+                )  # fmt: skip
             across = 0 if sim.cache_hit else (
                 sum(o.blob.length for o in parts.values() if not at.holds(o.blob.url))
                 + (0 if at.holds(model_url) else storage.size(model_url))
@@ -178,15 +180,16 @@ def simulate(
     # The statistics of these mark-outs are keyed like the mark-outs themselves (with the
     # estimators' code and the trials): a re-run reads them back instead of importing
     # arch and matplotlib and recomputing (3-5 s of a cached run here).
-    stats_output = keyed_output(
-        site.root, "statistic",
-        output_key("statistics", code=code_fingerprint(simulation, uncertainty, plots),
-                   simulations=key, config=asdict(config), trials=trials),
-        ".json",
-        load=lambda url: json.loads(load_checked(url)),
-        compute=lambda: json.loads(to_json(statistics(merged, config, trials, replayed))),
-        save=lambda url, value: save_checked(url, to_json(value).encode()),
-    )  # fmt: skip
+    with timeline.phase("simulate: statistics"):
+        stats_output = keyed_output(
+            site.root, "statistic",
+            output_key("statistics", code=code_fingerprint(simulation, uncertainty, plots),
+                       simulations=key, config=asdict(config), trials=trials),
+            ".json",
+            load=lambda url: json.loads(load_checked(url)),
+            compute=lambda: json.loads(to_json(statistics(merged, config, trials, replayed))),
+            save=lambda url, value: save_checked(url, to_json(value).encode()),
+        )  # fmt: skip
     figures = stats_output.value
     # stored outputs that failed their check (size, sha256) and were computed again
     healed = sum(k.reason == "corrupt" for k in [*(sim for _, _, sim, _ in replayed), stats_output])
@@ -231,7 +234,10 @@ def simulate(
     )
     if parent_run_id is not None:
         client, experiment = tracking.client_for(stage.workspace.resolve_tracking())
-        with tracking.run(client, experiment, "simulate", parent=parent_run_id) as run:
+        with (
+            timeline.phase("simulate: record"),
+            tracking.run(client, experiment, "simulate", parent=parent_run_id) as run,
+        ):
             run.params({f"sim.{k}": v for k, v in asdict(config).items()})
             run.params({"model_url": model_url, "model_digest": model_digest,
                         "inference_mode": mode, "site": at.name,

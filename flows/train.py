@@ -48,7 +48,7 @@ from quantloop.tasks.research.training import (
     resolve_device,
     save_model,
 )
-from quantloop.tasks.runtime import progress
+from quantloop.tasks.runtime import progress, timeline
 from quantloop.tasks.runtime.sites import GPU, gpu_client
 
 
@@ -165,15 +165,21 @@ def train(
         return _train(stage, config, parent_run_id, site, stack, logger)
 
 
+def save_timed(url: str, result: TrainResult) -> None:
+    with timeline.phase("train: save model"):
+        save_model(result, url)
+
+
 def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
     # Training goes to a site whose Dask workers declare a GPU, when there is one;
     # otherwise it runs here, in the flow's process. It reads the outputs stored there.
-    gpu = gpu_client(stage.workspace.resolve_sites(), stack)
-    outputs = feature_outputs(stage, prefer=(gpu[0] if gpu else site).name)
-    planned = plan_folds(stage)
-    device = gpu[1].submit(device_type, config.device, resources={GPU: 1},
-                           pure=False).result() if gpu else None  # fmt: skip
-    plan = plan_for(stage, config, device)
+    with timeline.phase("train: plan"):
+        gpu = gpu_client(stage.workspace.resolve_sites(), stack)
+        outputs = feature_outputs(stage, prefer=(gpu[0] if gpu else site).name)
+        planned = plan_folds(stage)
+        device = gpu[1].submit(device_type, config.device, resources={GPU: 1},
+                               pure=False).result() if gpu else None  # fmt: skip
+        plan = plan_for(stage, config, device)
     logger.info("training optimizations: %s", plan.record())
     at = gpu[0] if gpu else site
     ran_at = {"site": at.name, "worker": ""}
@@ -195,7 +201,7 @@ def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
 
         # load checks the weights against their stored digest
         model = keyed_output(site.root, "model", key, ".pt", load=load_model, compute=fit_now,
-                             save=lambda url, result: save_model(result, url))  # fmt: skip
+                             save=save_timed)  # fmt: skip
         result = model.value
         across = (
             0
@@ -207,7 +213,8 @@ def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
             message = (f"{where}: model {key[:12]} is cached (weights "
                        f"{result.model_digest[:12]}): not retrained")  # fmt: skip
         else:
-            record_lineage(site.root, key, result.model_digest, parts, config, fold)
+            with timeline.phase("train: lineage"):
+                record_lineage(site.root, key, result.model_digest, parts, config, fold)
             steady = result.steady_samples_per_s
             message = (
                 f"{where}: trained on {result.samples:,} windows ({result.samples_seen:,} seen) "
@@ -222,8 +229,9 @@ def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
         trained.append((fold, model, parts, across))
     run_id = version = None
     if parent_run_id is not None:
-        run_id, version = _record(stage, parent_run_id, config, outputs, trained, ran_at["site"],
-                                  plan)  # fmt: skip
+        with timeline.phase("train: record"):
+            run_id, version = _record(stage, parent_run_id, config, outputs, trained,
+                                      ran_at["site"], plan)  # fmt: skip
         if isinstance(version, Future):  # registered in the background: the caller joins it
             version = None
     fold_models = [

@@ -14,6 +14,7 @@ from quantloop.tasks.research.folds import Fold
 from quantloop.tasks.research.simulation import SimConfig, replay_all
 from quantloop.tasks.research.stage import FeatureOutput, StageParams, read_outputs
 from quantloop.tasks.research.training import load_model, resolve_device
+from quantloop.tasks.runtime import timeline
 from quantloop.tasks.runtime.sites import worker_address
 
 
@@ -40,6 +41,10 @@ def replay_stage(
     the fold's partitions, its training part giving the thresholds). Returns the
     mark-outs, the prediction's counts and where it ran (a Dask worker's address, or ""
     in the flow's process)."""
-    predictor = predictor_for(model_url)
-    merged = replay_all(predictor, read_outputs(stage, outputs), config, fold)
+    with timeline.phase("simulate: load model"):
+        predictor = predictor_for(model_url)
+    with timeline.phase("simulate: read features"):
+        tables = read_outputs(stage, outputs)
+    with timeline.phase("simulate: predict and mark out"):
+        merged = replay_all(predictor, tables, config, fold)
     return merged, predictor.stats, worker_address()

@@ -15,6 +15,7 @@ from CUDA events, as the ladder measures its rungs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -62,6 +63,7 @@ from quantloop.tasks.research.training import (
     torch_threads,
     train_plain,
 )
+from quantloop.tasks.runtime import timeline
 from quantloop.tasks.runtime.sites import worker_address
 
 # The code a model trained here depends on besides tasks.training and models (model keys)
@@ -70,6 +72,7 @@ RUNG_CODE = (
     precision, workload,
 )  # fmt: skip
 MAX_WARMUP_STEPS = 25  # compile and capture happen here; the ladder warms up as long
+log = logging.getLogger(__name__)
 
 
 # Python's GIL switch interval while a CUDA training runs. A thread that wants the GIL
@@ -115,8 +118,20 @@ def warmup_steps(steps: int) -> int:
     return max(4, min(MAX_WARMUP_STEPS, steps // 4))
 
 
+def warmup_marks(warmup: int, steps: int, cudagraph: bool) -> dict[int, str]:
+    """The steps where the run's timeline starts a phase of the loop: the first step
+    (compiled, or its kernels loaded from the compile cache), the eager steps, the step a
+    CUDA graph is captured in, the steps after the warm-up."""
+    marks = {0: "train: first step", 1: "train: eager steps", warmup: "train: steady steps"}
+    if cudagraph:
+        marks[warmup - 1] = "train: graph capture"
+    return {step: name for step, name in marks.items() if step < steps}
+
+
 def training_set(data: TrainingData, packing: bool) -> TrainingSet:
-    """The batch makers' view of a research run's data (windows as row ranges)."""
+    """The batch makers' view of a research run's data (windows as row ranges). Its packed
+    rows are on a grid (profiling/workload.rows_grid): a research run with another seed
+    trains on the same shapes, so it finds its compiled kernels in the compile cache."""
     return TrainingSet.planned(
         features=data.features,
         train=Windows(start=data.starts, end=data.ends),
@@ -124,6 +139,7 @@ def training_set(data: TrainingData, packing: bool) -> TrainingSet:
         order=data.order,
         max_len=data.windows.index.shape[1],
         packing=packing,
+        rows_on_grid=True,
     )
 
 
@@ -139,7 +155,8 @@ def fit_stage(
     Dask worker's address, or "" in the flow's process. A compile's kernels are kept in
     (and looked for in) the workspace site's store, so a fresh worker does not compile
     again (profiling/compile_cache.py)."""
-    tables = read_outputs(stage, outputs)
+    with timeline.phase("train: read features"):
+        tables = read_outputs(stage, outputs)
     result = train_on_features(tables, stage.features, fold, config, plan,
                                compile_cache=stage.workspace.resolve_site().root)  # fmt: skip
     return result, worker_address()
@@ -180,7 +197,8 @@ def train_applied(
     compile_backend overrides the plan's (tests on a CPU use aot_eager: Inductor's C++
     build takes minutes there)."""
     device = resolve_device(cfg.device)
-    data = prepare(tables, inputs, labels, cfg, model_cfg)
+    with timeline.phase("train: windows"):
+        data = prepare(tables, inputs, labels, cfg, model_cfg)
     plan = plan or plan_rungs(cfg.optimizations, device, head_dim=data.model_config.head_dim)
     if not plan.rungs:
         return train_plain(data, cfg)  # bit for bit the plain loop
@@ -202,7 +220,8 @@ def train_prepared(
     device = resolve_device(cfg.device)
     cuda = device.type == "cuda"
     sw = Switches.of(plan.rungs)
-    work = training_set(data, sw.packing)
+    with timeline.phase("train: packing plan"):
+        work = training_set(data, sw.packing)
     W = warmup_steps(cfg.steps)
     settings = StepSettings(
         batch_size=cfg.batch_size, steps=cfg.steps, lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -210,8 +229,9 @@ def train_prepared(
         compile_backend=compile_backend or plan.compile_backend,
     )  # fmt: skip
     torch._dynamo.reset()
-    model = seeded_model(data.model_config, cfg.seed, device)
-    training = Training(model, sw, work, settings, device, plain_logger="loss")
+    with timeline.phase("train: model and step set-up"):  # the CUDA context's start here
+        model = seeded_model(data.model_config, cfg.seed, device)
+        training = Training(model, sw, work, settings, device, plain_logger="loss")
     timer = measure.StepTimer(device)
     sampler = measure.UtilSampler(device)
     warmup_s = timed = 0.0
@@ -224,6 +244,9 @@ def train_prepared(
         "model": asdict(data.model_config), "batch": cfg.batch_size,
         "window": work.max_len, "rungs": list(plan.rungs), "backend": settings.compile_backend,
     }  # fmt: skip
+    marks = warmup_marks(W, cfg.steps, sw.cudagraph)
+    steps = timeline.Chain()
+    steps.switch("train: compile cache load")
     try:
         with (
             compile_cache_kept(
@@ -239,16 +262,26 @@ def train_prepared(
                     warmup_s = timer.stop()[1]
                     sampler.__enter__()
                     timer.start()
+                if step in marks:  # the warm-up's parts, each with its device work
+                    measure.sync(device)
+                    steps.switch(marks[step])
                 training.step(step)
             if cfg.steps > W:
                 timed = timer.stop()[0]
                 sampler.__exit__(None, None, None)
             measure.sync(device)
+            steps.switch("train: compile cache store")  # on a miss, the block's exit
     finally:
+        steps.close()
         training.close()
     loss = training.logger.series()[0]  # the loss read back: the run's last host sync
     duration = time.perf_counter() - start
     model.eval()
+    with timeline.phase("train: digest"):
+        digest = model_digest(model)
+    log.info("compile cache %s (%s hits, %s misses, %s bytes stored); packed rows %d",
+             cached["state"], cached.get("hits"), cached.get("misses"),
+             cached.get("stored_bytes", 0), work.pack_rows)  # fmt: skip
     seen = cfg.steps * cfg.batch_size
     after = cfg.steps - W if cfg.steps > W else 0
     return TrainResult(
@@ -259,7 +292,7 @@ def train_prepared(
         inputs=data.inputs,
         labels=data.label_names,
         loss_curve=interval_means(np.asarray(loss), cfg.log_every),
-        model_digest=model_digest(model),
+        model_digest=digest,
         samples=len(data.windows),
         samples_seen=seen,
         duration_s=duration,

@@ -120,6 +120,24 @@ class Timeline:
                 "process": self.process}  # fmt: skip
 
 
+class Chain:
+    """Phases one after another, one open at a time: switch() ends the last and opens the
+    next (the parts of a loop, where a `with` per part would not fit)."""
+
+    def __init__(self, timeline: Timeline | None = None) -> None:
+        self.timeline = timeline or TIMELINE
+        self.span: Span | None = None
+
+    def switch(self, name: str) -> None:
+        self.close()
+        self.span = self.timeline.begin(name)
+
+    def close(self) -> None:
+        if self.span is not None:
+            self.timeline.end(self.span)
+            self.span = None
+
+
 # The process's timeline: a command has one.
 TIMELINE = Timeline()
 phase = TIMELINE.phase
