@@ -161,12 +161,11 @@ def plan_packing(
     if not packing:
         zeros = np.zeros(order.shape, np.int64)
         return {"pack_row": zeros, "pack_off": zeros, "pack_rows": 1}
-    plans = [pack_plan(lengths[b], max_len) for b in order]
-    pack_row = np.stack([row for row, _ in plans])
+    pack_row, pack_off = pack_plans(lengths[order], max_len)
     rows = int(pack_row.max()) + 1
     return {
         "pack_row": pack_row,
-        "pack_off": np.stack([off for _, off in plans]),
+        "pack_off": pack_off,
         "pack_rows": rows_grid(rows) if rows_on_grid else rows,
     }
 
@@ -310,6 +309,35 @@ def pack_plan(lengths: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
         row[i], off[i] = r, free[r]
         free[r] += lengths[i]
     return row, off
+
+
+def pack_plans(lengths: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """pack_plan of every batch at once: lengths [S, B] (a row per step's batch) ->
+    (row, offset), each [S, B], the same as pack_plan gives row by row.
+
+    The windows of rank k (k-th longest, ties in batch order) of all S batches are placed
+    together, so the Python loop runs B times, not S * B: 1.0-1.6 s of an H200 research
+    run's train stage with 1,000 steps of 256 windows went to pack_plan's loop."""
+    S, B = lengths.shape
+    rank = np.argsort(-lengths, axis=1, kind="stable")
+    ranked = np.take_along_axis(lengths, rank, axis=1)
+    used = np.zeros((S, B), np.int64)  # events used per row; a batch opens at most B rows
+    opened = np.zeros(S, np.int64)  # rows open per batch
+    row, off = np.empty((S, B), np.int64), np.empty((S, B), np.int64)
+    batches, cols = np.arange(S), np.arange(B)
+    for k in range(B):  # one iteration per rank, over every batch
+        n = max(int(opened.max()), 1)  # argmax needs a column; cols < opened masks it
+        fits = (used[:, :n] + ranked[:, k, None] <= T) & (cols[:n] < opened[:, None])
+        found = fits.any(axis=1)
+        r = np.where(found, fits.argmax(axis=1), opened)  # the first row it fits, or a new one
+        off[:, k] = used[batches, r]
+        used[batches, r] += ranked[:, k]
+        row[:, k] = r
+        opened += ~found
+    out_row, out_off = np.empty_like(row), np.empty_like(off)
+    np.put_along_axis(out_row, rank, row, axis=1)
+    np.put_along_axis(out_off, rank, off, axis=1)
+    return out_row, out_off
 
 
 def pack_fields(

@@ -39,8 +39,10 @@ from quantloop.profiling.workload import (
     build_workload,
     next_move,
     pack_plan,
+    pack_plans,
     packed_batch,
     padded_batch,
+    rows_grid,
 )
 from quantloop.tasks.records.provenance import git_commit
 
@@ -76,6 +78,24 @@ def test_windows_vary_in_length_and_packing_keeps_every_event(work):
     b = packed_batch(work, 0)
     B = len(work.order[0])
     assert (b["seg"] < B).sum() == lengths[work.order[0]].sum()  # every real event, once
+
+
+def test_pack_plans_is_pack_plan_batch_by_batch(work):
+    rng = np.random.default_rng(0)
+    cases = [(work.train.lengths[work.order], work.max_len)]
+    cases += [(rng.integers(1, T + 1, size=(S, B)), T) for S, B, T in ((5, 30, 16), (3, 1, 4))]
+    cases.append((rng.integers(1, 3, size=(4, 40)), 8))  # many ties
+    for lengths, T in cases:
+        row, off = pack_plans(lengths, T)
+        for s in range(len(lengths)):
+            want_row, want_off = pack_plan(lengths[s], T)
+            assert np.array_equal(row[s], want_row) and np.array_equal(off[s], want_off)
+
+
+def test_packed_rows_on_the_grid_fit_and_pad_an_eighth_at_most():
+    assert [rows_grid(r) for r in (1, 12, 16, 17, 64, 65, 73, 75, 78, 80, 81, 150)] == [
+        1, 12, 16, 18, 64, 72, 80, 80, 80, 80, 88, 160]  # fmt: skip
+    assert all(r <= rows_grid(r) <= r * 9 / 8 for r in range(1, 2000))
 
 
 def test_next_move_label_is_the_direction_of_the_next_mid_change(work):
