@@ -18,6 +18,7 @@ Anywhere else (a CPU, or a model trained without packing) it is tasks.training.p
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,9 +38,19 @@ BATCH = 4096  # windows per group (per graph replay)
 
 def inference_rungs(result: TrainResult, device: torch.device) -> tuple[str, ...]:
     """What the fast path applies for this model on `device`: () means the eager path."""
-    if device.type != "cuda" or "packing" not in result.rungs:
+    return forward_rungs(result.rungs, device)
+
+
+def forward_rungs(trained_with: Sequence[str], device: torch.device) -> tuple[str, ...]:
+    """inference_rungs of a model trained with the rungs `trained_with`."""
+    if device.type != "cuda" or "packing" not in trained_with:
         return ()
-    return tuple(r for r in FORWARD_RUNGS if r in result.rungs)
+    return tuple(r for r in FORWARD_RUNGS if r in trained_with)
+
+
+def mode_name(rungs: Sequence[str]) -> str:
+    """InferenceStats.mode: "eager", or the rungs applied, comma-separated."""
+    return ",".join(rungs) or "eager"
 
 
 def pack_groups(
@@ -93,7 +104,7 @@ class Predictor:
         self.device = next(result.model.parameters()).device
         self.rungs = inference_rungs(result, self.device) if rungs is None else rungs
         self.batch = batch
-        self.stats = InferenceStats(mode=",".join(self.rungs) or "eager")
+        self.stats = InferenceStats(mode=mode_name(self.rungs))
         self._graph: _GraphedForward | None = None
 
     def __call__(self, table: pa.Table) -> np.ndarray:

@@ -122,7 +122,7 @@ def group_key(cfg: TrainConfig, data: TrainingData) -> tuple:
     return (
         *(getattr(cfg, name) for name in SHARED),
         data.model_config,
-        data.windows.index.shape[1],
+        data.windows.window,
     )
 
 

@@ -137,7 +137,7 @@ def training_set(data: TrainingData, packing: bool) -> TrainingSet:
         train=Windows(start=data.starts, end=data.ends),
         labels=data.labels,
         order=data.order,
-        max_len=data.windows.index.shape[1],
+        max_len=data.windows.window,
         packing=packing,
         rows_on_grid=True,
     )

@@ -16,11 +16,11 @@ import torch
 
 from quantloop.flows.train import model_key
 from quantloop.models.orderbook import OrderBookNet
-from quantloop.profiling import packing, proof
+from quantloop.profiling import packing, proof, replay
 from quantloop.profiling.compile import inductor_options
 from quantloop.profiling.config import BF16, FP32, cpu_tiny
 from quantloop.profiling.equivalence import max_rel_dev, rel_l2
-from quantloop.profiling.inference import Predictor, inference_rungs
+from quantloop.profiling.inference import Predictor, forward_rungs, inference_rungs, mode_name
 from quantloop.profiling.kernels import FusedAdamW
 from quantloop.profiling.loop import model_config
 from quantloop.profiling.packing import (
@@ -242,6 +242,10 @@ def test_clock_windows_vary_in_length_and_pack(tmp_path):
     loaded = load_model(path)
     assert loaded.rungs == ("packing",) and loaded.step_ms == got.step_ms
     assert np.array_equal(predict(loaded, tables[0]), predict(got, tables[0]))
+    # simulate's key reads the mode and digest from the stored model, without building it
+    assert replay.inference_mode(str(path)) == (Predictor(loaded).stats.mode, got.model_digest)
+    assert mode_name(forward_rungs(loaded.rungs, torch.device("cuda"))) == "packing"
+    assert mode_name(forward_rungs(loaded.rungs, CPU)) == "eager"
 
 
 def test_packed_bulk_prediction_is_the_eager_prediction():

@@ -39,6 +39,8 @@ def test_windows_on_a_hand_example():
     # t1 anchors 0, 2 (4 has a NaN label); t2 anchors 0, 2
     assert data.table.tolist() == [0, 0, 1, 1]
     assert data.row.tolist() == [0, 2, 0, 2]
+    # each window a run of rows of the stacked features (t2's rows follow t1's 6)
+    assert data.start.tolist() == [0, 0, 6, 6] and data.end.tolist() == [0, 2, 6, 8]
     assert data.labels[:, 0].tolist() == [1.0, 3.0, 5.0, 7.0]
     assert data.mask.tolist() == [
         [False, False, True],
