@@ -1,5 +1,6 @@
 """Session-wide real servers: one temporary Prefect API, one MLflow server, one S3 endpoint,
-one PostgreSQL server (on demand)."""
+one PostgreSQL server (on demand), per pytest-xdist worker (the suite runs on `-n auto`
+workers; each is a session of its own)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,26 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(SE
 os.environ.setdefault("QUANTLOOP_FORKSERVER", "0")
 
 MLFLOW_CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+# Each xdist worker gets a temporary folder of its own, set before anything asks for one:
+# tests that check nothing temporary is left behind there (test_catalog's S3 landing)
+# would otherwise see another worker's files in flight. World-traversable (755), as /tmp
+# is: the PostgreSQL server runs as its own user under it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+
+    _WORKER_TMP = os.path.join(tempfile.gettempdir(), f"quantloop-tests-{os.getpid()}-"
+                               f"{os.environ['PYTEST_XDIST_WORKER']}")  # fmt: skip
+    os.makedirs(_WORKER_TMP, mode=0o755, exist_ok=True)
+    os.chmod(_WORKER_TMP, 0o755)
+    os.environ["TMPDIR"] = _WORKER_TMP
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: a worker per core, at most 4: each starts its own servers (a Prefect
+    API and MLflow, ~1 GB), and past 4 the tests that start whole stacks contend."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 @contextlib.contextmanager
