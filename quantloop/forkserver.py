@@ -79,10 +79,6 @@ WARM_MODULES = (
     # features changed): dynamo (every torch.optim optimizer's first __init__, 1.0 s),
     # the simulation's statistics (0.6-1.2 s) and the MLflow figures (0.3 s)
     "torch._dynamo",
-    # Inductor: torch._dynamo.reset() imports it where CUDA is available (its CUDA graph
-    # trees), before every compiled training: 3.1 s of an H200 research run's train stage
-    # (bench/results/turnaround-h200-rows-notes.md). It opens no CUDA device.
-    "torch._inductor.cudagraph_trees",
     "scipy.stats",
     "arch.covariance.kernel",
 )
