@@ -76,6 +76,7 @@ from quantloop.supervisor import (
     tail,
     wait_ready,
 )
+from quantloop.tasks.runtime import prefect_db
 
 WORKER_NAME = "quantloop-serve"
 WORKER_SERVICE = "prefect worker"  # its Service's name
@@ -204,7 +205,9 @@ def prefect_service(cfg: StackConfig) -> Service:
     )
     argv = [sys.executable, "-m", "prefect", "server", "start",
             "--host", cfg.host, "--port", str(cfg.prefect_port)]  # fmt: skip
-    return Service("prefect server", argv, env, cfg.logs / "prefect-server.log")
+    # a new home's SQLite database: a copy of a migrated empty one (5 s of a first start)
+    return Service("prefect server", argv, env, cfg.logs / "prefect-server.log",
+                   prepare=lambda: prefect_db.seed(env))  # fmt: skip
 
 
 def mlflow_service(cfg: StackConfig) -> Service:

@@ -168,9 +168,12 @@ class Service:
     family: dict[int, float] = dataclasses.field(default_factory=dict)
     restarts: list[float] = dataclasses.field(default_factory=list)  # when (monotonic)
     started: datetime.datetime | None = None  # its last start (UTC)
+    prepare: Callable[[], object] | None = None  # called before each start
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        if self.prepare is not None:
+            self.prepare()
         self.started = datetime.datetime.now(datetime.UTC)
         env = {**self.env, STACK_ENV: self.tag} if self.tag else self.env
         with open(self.log, "ab") as out:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from quantloop.tasks.runtime import prefect_db
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -168,6 +170,7 @@ def prefect_server(
         PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
         **({"PREFECT_SERVER_API_AUTH_STRING": auth_string} if auth_string else {}),
     )
+    prefect_db.seed(env)  # as the resident API and `quantloop serve` start theirs
     log = open(folder / "prefect-server.log", "ab")
     proc = subprocess.Popen(
         [

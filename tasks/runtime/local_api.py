@@ -42,7 +42,9 @@ reconciler, which serve deployments, workers and concurrency leases that this se
 has none of (`quantloop serve` runs those) and would poll its SQLite database while a
 run writes to it. They are not what a start costs (measured on a loaded 2-core VM:
 importing the server 6-8 s, creating the database ~12 s and registering block types
-~4 s on a first start only, the services ~2 s), and none of that is optional.
+~4 s on a first start only, the services ~2 s), and none of that is optional; a new
+home's database is made as a copy of an empty one migrated once per Prefect version
+(prefect_db.py: a first start 9.3 s -> 4.2 s on a quiet machine).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from quantloop.tasks.runtime import prefect_db
 
 IDLE_ENV, IDLE_DEFAULT_S = "QUANTLOOP_API_IDLE_TIMEOUT_S", 900.0
 START_ENV, START_DEFAULT_S = "QUANTLOOP_API_START_TIMEOUT_S", 300.0
@@ -404,9 +408,12 @@ class Supervisor:
     def start_server(self) -> None:
         argv = [sys.executable, "-m", "prefect", "server", "start",
                 "--host", HOST, "--port", str(self.port)]  # fmt: skip
+        env = server_env(self.paths, self.port)
+        if prefect_db.seed(env):  # a new home: its database a copy of a migrated empty one
+            _log(f"{self.paths.db} made from {prefect_db.template_path()}")
         # Its own process group (a kill of the group ends what it started too).
         self.server = subprocess.Popen(
-            argv, env=server_env(self.paths, self.port), stdin=subprocess.DEVNULL,
+            argv, env=env, stdin=subprocess.DEVNULL,
             process_group=0, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
         url = f"http://{HOST}:{self.port}"
