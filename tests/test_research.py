@@ -320,6 +320,13 @@ def test_research_on_lobster_files(prefect_api, tmp_path, lobster_dir):
     assert set(summary.per_product) == {"AMZN", "GOOG"}
     assert summary.trades > 0
     assert summary.tracking_uri.startswith("sqlite:///")
+    # the data stage recorded what each file held (tests/test_sources.py: a next run
+    # reads none of them)
+    index = json.loads((tmp_path / "home" / "lobster-sources.json").read_text())
+    digests = {Path(f).name: entry["digests"] for f, entry in index["sources"].items()}
+    assert sorted(digests) == sorted(p.name for p in lobster_dir.glob("*.zip"))
+    assert digests.pop("LOBSTER_SampleFile_AMZN_2012-06-21_1.zip") == [None]  # superseded
+    assert all(len(d) == 1 and d[0] for d in digests.values())  # landed, by its digest
 
 
 def test_cli_rejects_unknown_parameter_before_writing_anything(tmp_path):
