@@ -66,6 +66,13 @@ class Site(Block):
         gt=0,
         description="Seconds to wait for the scheduler before the run fails naming this site.",
     )
+    no_workers_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds the scheduler may have no workers while a run's batches wait "
+        "there: then the run fails naming this site, or (the workspace's on_unreachable "
+        "'replica') its nodes not yet run go to a site holding a copy of their inputs.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Site:

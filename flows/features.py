@@ -26,8 +26,10 @@ from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
 from quantloop.tasks.engine import (
+    NoCopyReachable,
     NodeKind,
     NodeStore,
+    NoWorkers,
     Policy,
     RunRecords,
     RunSummary,
@@ -100,9 +102,26 @@ def feature_shard(
         nodes = nodes.append_column("input_site", entries["input_site"])
     store = NodeStore(store_root)
     inline_below_s = INLINE_BELOW_S if connect.starts_cluster else 0.0
-    result = run_nodes(kind, params, nodes, store, connect=connect, site=site, progress=report,
-                       priority=-shard, verify_hits=verify_hits,
-                       inline_below_s=inline_below_s)  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        result = run_nodes(kind, params, nodes, store, connect=connect, site=site,
+                           progress=report, priority=-shard, verify_hits=verify_hits,
+                           inline_below_s=inline_below_s,
+                           no_workers_timeout_s=connect.no_workers_timeout_s)  # fmt: skip
+    except NoWorkers as exc:
+        # The site lost its workers: what finished is recorded as this shard's part; the
+        # flow fails naming the site, or places the rest (exc.pending, now catalog rows)
+        # elsewhere. Nodes of the same key (identical inputs) share that key's fate.
+        done = exc.finished
+        if done.num_rows:
+            records.write(shard, done)
+        hits = pc.sum(done["cache_hit"]).as_py() or 0
+        failed = pc.sum(pc.equal(done["status"], "failed")).as_py() or 0
+        exc.summary = RunSummary.of(done, nodes=done.num_rows, cache_hits=hits,
+                                    computed=done.num_rows - hits - failed, failed=failed,
+                                    wall_s=time.perf_counter() - t0)  # fmt: skip
+        exc.pending = entries.filter(pc.is_in(nodes["key"], value_set=exc.pending["key"]))
+        raise
     records.write(shard, result.manifest)
     get_run_logger().info(
         "shard %s: %d nodes, %d cache hits, %d computed, %d failed in %.2f s",
@@ -191,33 +210,65 @@ def features(
             save_params(root, by_digest)
         # Shards of every site, taken in turn, run side by side: each site's client gets
         # its own shards while the others work on theirs.
-        queue = [(s, i, part) for s, rows in groups
-                 for i, part in enumerate(shards(rows, shard_size))]  # fmt: skip
-        queue.sort(key=lambda item: item[1])
+        queue = deque(sorted(((s, i, part) for s, rows in groups
+                              for i, part in enumerate(shards(rows, shard_size))),
+                             key=lambda item: item[1]))  # fmt: skip
         running: deque = deque()
         in_flight = SHARDS_IN_FLIGHT * max(1, len(groups))
         number = 0
+        down = set(down)
+
+        def replace(rows: pa.Table) -> list:
+            """Shards of `rows` placed again, without the sites that are down."""
+            if len(sites) == 1:
+                raise NoCopyReachable(f"site {sites[0].name!r} is the workspace's only site")
+            again = place_selection(rows.drop_columns(["site", "input_site"]),
+                                    workspace.catalog(), stage.selection.dataset, sites, policy,
+                                    down=down)  # fmt: skip
+            placed_again = []
+            for s in sites:
+                mine = again.filter(pc.equal(again["site"], s.name))
+                if mine.num_rows:
+                    save_params(s.root, by_digest)
+                    placed_again += [(s, i, p) for i, p in enumerate(shards(mine, shard_size))]
+            return placed_again
 
         def collect() -> None:
             s, shard = running.popleft()
-            result = shard.result()
+            try:
+                result = shard.result()
+            except NoWorkers as exc:
+                if workspace.on_unreachable != "replica":
+                    raise
+                result = exc.summary
+                down.add(s.name)
+                logger.warning("%s; its %d nodes not run are placed again at sites holding "
+                               "copies of their inputs", exc, exc.pending.num_rows)  # fmt: skip
+                try:
+                    queue.extendleft(reversed(replace(exc.pending)))
+                except NoCopyReachable as none:
+                    raise NoCopyReachable(f"{exc}: {none}") from exc
             summary.add(result)
             counts[s.name].add(result.nodes, result.computed, result.compute_s,
                                result.bytes_across, s.cost_per_hour)  # fmt: skip
 
-        for s, _, shard_entries in queue:
-            # quote(): Prefect would otherwise walk every argument looking for task
-            # dependencies (seconds per 10,000 nodes).
-            running.append((s, feature_shard.submit(
-                quote(kind), quote(by_digest), quote(params_of), quote(shard_entries),
-                s.root, s.name, quote(clients[s.name]), number, quote(records), verify_hits,
-            )))  # fmt: skip
-            number += 1
-            while len(running) >= in_flight:
+        while queue or running:
+            while queue and len(running) < in_flight:
+                s, _, shard_entries = queue.popleft()
+                if s.name in down:  # lost its workers since it was placed
+                    queue.extendleft(reversed(replace(shard_entries)))
+                    continue
+                # quote(): Prefect would otherwise walk every argument looking for task
+                # dependencies (seconds per 10,000 nodes).
+                running.append((s, feature_shard.submit(
+                    quote(kind), quote(by_digest), quote(params_of), quote(shard_entries),
+                    s.root, s.name, quote(clients[s.name]), number, quote(records),
+                    verify_hits,
+                )))  # fmt: skip
+                number += 1
+            if running:
                 collect()
-        while running:
-            collect()
-    for s, _ in groups:
+    for s in sites:
         if counts[s.name].computed:
             NodeStore(s.root).compact(kind.name)
     summary.sites = {name: asdict(c) for name, c in counts.items() if c.nodes}

@@ -386,6 +386,35 @@ class KillWorkerGiven(SchedulerPlugin):
             os.kill(worker.pid, signal.SIGKILL)
 
 
+class KillSiteGiven(KillWorkerGiven):
+    """A Dask scheduler plugin: as the scheduler gives the first task of `prefix` to a
+    worker, SIGKILLs every worker of the site and its nanny (the `dask worker` process
+    that would start another): the site has no workers until an operator starts some.
+    `at`: the time.time() of the kill; `killed`: the pids."""
+
+    name = "kill-site-given"
+
+    def __init__(self, prefix: str):
+        super().__init__(prefix, 1)
+        self.at = 0.0
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        import psutil
+        from dask.utils import key_split
+
+        if self.killed or finish != "processing" or key_split(key) != self.prefix:
+            return
+        self.at = time.time()
+        for worker in list(self.scheduler.workers.values()):
+            nanny = psutil.Process(worker.pid).parent()
+            # only a `dask worker` process: never whatever else a worker's parent may be
+            if nanny is not None and "worker" in nanny.cmdline():
+                self.killed.append(nanny.pid)
+                os.kill(nanny.pid, signal.SIGKILL)
+            self.killed.append(worker.pid)
+            os.kill(worker.pid, signal.SIGKILL)
+
+
 def postgres_bin() -> Path | None:
     """The newest installed PostgreSQL's bin folder (Debian keeps them versioned under
     /usr/lib/postgresql, off PATH), or one whose initdb is on PATH; None if none is."""

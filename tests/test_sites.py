@@ -7,13 +7,16 @@ site holding its input and no input byte crosses sites; under `single:A` everyth
 runs at A and exactly B's input bytes cross; the outputs are a one-site run's, bit for
 bit; an unreachable scheduler fails the run naming the site, or (on_unreachable
 "replica") its nodes run where a replica is; a worker killed as it is given a batch is
-replaced by its nanny and the batch runs again.
+replaced by its nanny and the batch runs again; a site left without any worker ends
+the wait after its setting, failing naming the site or running its nodes at a replica.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+import re
+import time
 import uuid
 
 import pyarrow as pa
@@ -29,7 +32,7 @@ from quantloop.flows.train import train
 from quantloop.tasks.data.landing import land_synthetic
 from quantloop.tasks.data.replicate import replicate
 from quantloop.tasks.data.synthetic import SyntheticConfig
-from quantloop.tasks.engine import BatchFailed, NoCopyReachable, NodeStore, storage
+from quantloop.tasks.engine import BatchFailed, NoCopyReachable, NodeStore, NoWorkers, storage
 from quantloop.tasks.research.features import FeatureParams
 from quantloop.tasks.research.stage import StageParams, feature_outputs, plan_features
 from quantloop.tasks.research.training import TrainConfig
@@ -268,6 +271,72 @@ def test_a_worker_killed_mid_run_is_replaced_and_a_batch_that_keeps_killing_fail
     at_b = plan.nodes.filter(pc.is_in(plan.nodes["product"], value_set=pa.array(AT_B)))
     assert at_b.num_rows == 4
     assert NodeStore(ws.sites[0].root).existing(plan.kind.name, at_b).num_rows == 0
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_site_whose_workers_are_all_gone_fails_naming_it_or_its_nodes_run_at_a_replica(
+    prefect_api, clusters, tmp_path
+):
+    """Site B (cheaper, its own scheduler and worker) loses every worker and its nanny as
+    its scheduler hands out the run's first batch. After B's no_workers_timeout_s the
+    wait ends: the run fails naming B; with on_unreachable "replica" and B's inputs
+    replicated to A, B's nodes run at A and the outputs are a run's without the fault."""
+    from distributed import Client
+
+    limit = 3.0
+    a = Site(name="A", scheduler_address=clusters["A"], storage_root=str(tmp_path / "a"),
+             cost_per_hour=1.0, connect_timeout_s=5)  # fmt: skip
+    b = Site(name="B", storage_root=str(tmp_path / "b"), cost_per_hour=0.5, connect_timeout_s=5,
+             no_workers_timeout_s=limit)  # fmt: skip
+    ws = Workspace(home=str(tmp_path / "home"), site=a, sites=[b])
+    catalog = ws.catalog()
+    land_synthetic(catalog, a.root, AT_A, DATES, SYNTHETIC, site="A")
+    land_synthetic(catalog, b.root, AT_B, DATES, SYNTHETIC, site="B")
+
+    def run_losing_b(folder: str, **update):
+        """features() with B's workers killed mid-run; (summary or error, seconds from
+        the kill to the run's end)."""
+        with servers.dask_site(tmp_path / folder) as address, \
+                Client(address, timeout="10s") as client:  # fmt: skip
+            on_b = ws.model_copy(update={"sites": [b.model_copy(
+                update={"scheduler_address": address})]})  # fmt: skip
+            client.register_plugin(servers.KillSiteGiven(BATCH_PREFIX))
+            try:
+                outcome = features(stage_of(on_b, **update))
+            except Exception as exc:  # noqa: BLE001 - checked by the caller
+                outcome = exc
+            end = time.time()
+            at = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[
+                "kill-site-given"].at)  # fmt: skip
+            assert at and not client.nthreads()  # killed mid-run, and none came back
+            return outcome, end - at
+
+    failed, lag = run_losing_b("b1")
+    assert isinstance(failed, NoWorkers)
+    assert re.search(r"site 'B': its Dask scheduler had no workers for \d", str(failed))
+    assert limit < lag < limit + 3.0, lag
+    print(f"fail: {lag:.2f} s from the kill to the run's end (limit {limit} s)")
+
+    replicate(catalog, "synthetic", Selection(products=AT_B).table(catalog), site="A",
+              root=a.root)  # fmt: skip
+    healed, lag = run_losing_b("b2", on_unreachable="replica")
+    assert not isinstance(healed, Exception), healed
+    assert limit < lag < limit + 15, lag  # the wait, then B's 4 nodes computed at A
+    print(f"replica: {lag:.2f} s from the kill to the run's end (limit {limit} s)")
+    assert (healed.nodes, healed.failed) == (8, 0)
+    rows = rows_of(healed)
+    assert {(r["product"] in AT_B, r["site"], r["input_site"]) for r in rows} == {
+        (False, "A", "A"), (True, "A", "A")}  # fmt: skip
+    # Nothing of B's was kept (none of its batches finished), and the outputs are a
+    # one-site run's, bit for bit.
+    plan = plan_features(stage_of(ws))
+    at_b = plan.nodes.filter(pc.is_in(plan.nodes["product"], value_set=pa.array(AT_B)))
+    assert NodeStore(b.root).existing(plan.kind.name, at_b).num_rows == 0
+    one = Workspace(home=str(tmp_path / "one"), n_workers=1)
+    land_synthetic(one.catalog(), one.resolve_site().root, AT_A + AT_B, DATES, SYNTHETIC)
+    alone = {(r["key"], r["output_digest"]) for r in rows_of(features(stage_of(one)))}
+    assert {(r["key"], r["output_digest"]) for r in rows} == alone and len(alone) == 8
 
 
 def test_a_replica_whose_source_bytes_are_bad_is_not_recorded(tmp_path):

@@ -3,6 +3,7 @@ as the run goes, and put every node's manifest row back in plan order."""
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ def run_nodes(
     priority: int = 0,
     verify_hits: bool = True,
     inline_below_s: float = 0.0,
+    no_workers_timeout_s: float | None = None,
 ) -> RunResult:
     """Run the nodes of a plan (NODES_SCHEMA) that are not cached; returns the manifest
     of all of them.
@@ -86,6 +88,9 @@ def run_nodes(
       nodes to run are expected, from the kind's history, to take less than this many
       seconds in all: less than starting and stopping the cluster would (a LocalCluster
       of 2 workers: 2.7 s here). Unknown work (no history) goes to the cluster.
+    no_workers_timeout_s: while batches are in flight, a cluster whose scheduler reports
+      no workers for longer than this ends the wait: NoWorkers, carrying the manifest
+      rows finished so far and the plan rows not run. None: wait as long as Dask does.
     """
     t0 = time.perf_counter()
     total = plan.num_rows
@@ -138,7 +143,8 @@ def run_nodes(
         # Work per node: from the kind's history, then from this run's own batches
         # (whole task times over their nodes, so each task's fixed cost is included).
         measured_s, measured_n = 0.0, 0
-        batches = _Batches(client, kind, params, store.root, site, priority)
+        batches = _Batches(client, kind, params, store.root, site, priority,
+                           no_workers_timeout_s)  # fmt: skip
         finished: list[pa.Table] = []
         pos = 0
 
@@ -154,15 +160,23 @@ def run_nodes(
         submit_more()
         if progress:  # after submitting: the workers start while this reports
             progress(done, total)
-        for batch_rows in batches:
-            finished.append(batch_rows)
-            batches_run += 1
-            measured_s += batch_seconds(batch_rows)
-            measured_n += batch_rows.num_rows
-            submit_more()
-            done += batch_rows.num_rows
-            if progress:
-                progress(done, total)
+        try:
+            for batch_rows in batches:
+                finished.append(batch_rows)
+                batches_run += 1
+                measured_s += batch_seconds(batch_rows)
+                measured_n += batch_rows.num_rows
+                submit_more()
+                done += batch_rows.num_rows
+                if progress:
+                    progress(done, total)
+        except NoWorkers as exc:  # what finished is stored and indexed; the rest is not run
+            rows = [*parts, *batches.in_order(finished)]
+            exc.finished = (pa.concat_tables([r.replace_schema_metadata(None) for r in rows])
+                            if rows else MANIFEST_SCHEMA.empty_table())  # fmt: skip
+            exc.pending = pa.concat_tables([*batches.unfinished(), todo.slice(pos)]
+                                           ).drop_columns(["reason"])  # fmt: skip
+            raise
         # in plan order, whatever order the batches finished in
         parts.append(pa.concat_tables(batches.in_order(finished)).replace_schema_metadata(None))
     elif progress:
@@ -205,28 +219,46 @@ class BatchFailed(RuntimeError):
     store could not be written): node failures are recorded per node instead."""
 
 
+# How often a wait for batches asks the scheduler for its workers (when none finished).
+NO_WORKERS_POLL_S = 0.5
+
+
+class NoWorkers(ConnectionError):
+    """A site's scheduler had no workers for longer than its setting while batches were
+    in flight. `finished`: the manifest rows of the nodes done (cache hits, batches that
+    finished: stored and indexed); `pending`: the plan rows not run (set by run_nodes)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.finished: pa.Table | None = None
+        self.pending: pa.Table | None = None
+
+
 class _Batches:
     """Batches in flight on a Dask cluster (or run in-process without a client, each
     when the iteration reaches it); iterating yields manifest rows as batches finish,
-    and more may be submitted meanwhile."""
+    and more may be submitted meanwhile. With `no_workers_timeout_s`, a wait in which
+    the scheduler reports no workers for longer than that raises NoWorkers (and cancels
+    the batches in flight: nothing of them is kept, as with a batch that failed)."""
 
     def __init__(self, client, kind: NodeKind, params: Mapping[str, dict], root: str, site: str,
-                 priority: int = 0):  # fmt: skip
+                 priority: int = 0, no_workers_timeout_s: float | None = None):  # fmt: skip
         self.client, self.kind, self.root, self.site = client, kind, root, site
-        self.priority = priority
+        self.priority, self.no_workers_timeout_s = priority, no_workers_timeout_s
         self.params = dict(params)
         self._submitted = 0
         self._queue: list[tuple[int, pa.Table]] = []  # in-process: not run yet
-        self._number: dict[Any, int] = {}  # Dask future key -> submission number
+        self._running: dict[Any, tuple[int, pa.Table]] = {}  # future -> (number, batch)
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # futures, as they finish
         self._done: list[int] = []  # submission numbers, in the order batches finished
-        if client is not None:
-            from distributed import as_completed
-
-            self._running = as_completed()
 
     @property
     def pending(self) -> int:
-        return len(self._queue) if self.client is None else self._running.count()
+        return len(self._queue) if self.client is None else len(self._running)
+
+    def unfinished(self) -> list[pa.Table]:
+        """The batches submitted and not finished, in submission order."""
+        return [batch for _, batch in sorted(self._running.values(), key=lambda nb: nb[0])]
 
     def submit(self, batch: pa.Table) -> None:
         number, self._submitted = self._submitted, self._submitted + 1
@@ -239,8 +271,10 @@ class _Batches:
         future = self.client.submit(run_batch_ipc, self.kind, self.params,
                                     storage.arrow_bytes(batch), self.root, self.site,
                                     pure=False, priority=self.priority)  # fmt: skip
-        self._number[future.key] = number
-        self._running.add(future)
+        self._running[future] = (number, batch)
+        # Not distributed.wait: it waits through the default client, and a run holds
+        # one client per site.
+        future.add_done_callback(self._finished.put)
 
     def __iter__(self) -> Iterator[pa.Table]:
         if self.client is None:
@@ -249,16 +283,47 @@ class _Batches:
                 self._done.append(number)
                 yield run_batch(self.kind, self.params, batch, self.root, self.site)
             return
-        for future in self._running:
-            self._done.append(self._number[future.key])
+        while self._running:
+            done = self._wait()
+            for future in sorted(done, key=lambda f: self._running[f][0]):
+                number, _ = self._running.pop(future)
+                self._done.append(number)
+                try:
+                    rows = future.result()
+                except Exception as exc:  # the batch's task itself failed, not a node in it
+                    raise BatchFailed(
+                        f"site {self.site}: a batch of {self.kind.name} nodes failed on the "
+                        f"site's cluster: {type(exc).__name__}: {exc}"
+                    ) from exc
+                yield rows
+
+    def _wait(self) -> set:
+        """The batches in flight that have finished, once one has; meanwhile, every
+        poll without one asks the scheduler how many workers it has."""
+        limit = self.no_workers_timeout_s
+        poll = None if limit is None else min(NO_WORKERS_POLL_S, limit / 4)
+        since = None  # when the scheduler was first seen without workers
+        while True:
             try:
-                rows = future.result()
-            except Exception as exc:  # the batch's task itself failed, not a node in it
-                raise BatchFailed(
-                    f"site {self.site}: a batch of {self.kind.name} nodes failed on the "
-                    f"site's cluster: {type(exc).__name__}: {exc}"
-                ) from exc
-            yield rows
+                done = {self._finished.get(timeout=poll)}
+            except queue.Empty:
+                done = set()
+            if done:
+                while not self._finished.empty():
+                    done.add(self._finished.get_nowait())
+                return done & self._running.keys()
+            now = time.monotonic()
+            if self.client.nthreads():
+                since = None
+                continue
+            since = now if since is None else since
+            if now - since > limit:
+                self.client.cancel(list(self._running))
+                raise NoWorkers(
+                    f"site {self.site!r}: its Dask scheduler had no workers for "
+                    f"{now - since:.1f} s (no_workers_timeout_s {limit:g}) with "
+                    f"{len(self._running)} batches of {self.kind.name} nodes in flight"
+                )
 
     def in_order(self, finished: list[pa.Table]) -> list[pa.Table]:
         """The batches' rows (given in the order they finished) in submission order."""

@@ -35,6 +35,11 @@ class SiteClient:
         """Whether connecting starts a LocalCluster (the site names no scheduler)."""
         return not self._site.scheduler_address
 
+    @property
+    def no_workers_timeout_s(self) -> float:
+        """Seconds the site's scheduler may have no workers while batches wait there."""
+        return self._site.no_workers_timeout_s
+
     def __call__(self):
         with self._lock:
             if self._client is None:
