@@ -142,11 +142,20 @@ def _run_until_dask(warm: Warm, tmp_path: Path):
         time.sleep(0.05)
     [child] = new
     proc = psutil.Process(child)
-    while not [p for p in proc.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]:
+    while not [p for p in proc.children(recursive=True) if "spawn_main" in _cmdline(p)]:
         assert client.poll() is None, client.stderr.read()
         assert time.monotonic() < end, "never saw Dask"
         time.sleep(0.05)
     return client, {p.pid: p.create_time() for p in (proc, *proc.children(recursive=True))}
+
+
+def _cmdline(p: psutil.Process) -> str:
+    """A process's command line; "" for one that ended or is a zombie meanwhile (a
+    short-lived child of the run: the fresh-clone suite of 5ae496f met one)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def _kill(pids) -> None:
