@@ -41,10 +41,18 @@ def test_session_postgres_is_on_loopback_only_and_gives_each_test_a_database(pos
     assert listen == "127.0.0.1"
     assert Path(sockets) == postgres.sockets  # not /var/run/postgresql
     assert rows(postgres_db, "SELECT current_database()")[0][0] == postgres_db.rsplit("/", 1)[1]
-    # The server runs as postgres when the tests run as root (it refuses root).
-    [(pid,)] = rows(postgres_db, "SELECT pg_backend_pid()")
-    assert psutil.Process(pid).username() == ("postgres" if os.geteuid() == 0 else
-                                               psutil.Process().username())  # fmt: skip
+    # The server runs as postgres when the tests run as root (it refuses root). Asked
+    # while the connection is open: its backend process ends with it (a closed one's pid
+    # was gone by the time psutil looked, in a suite on four workers).
+    conn = psycopg2.connect(postgres_db)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_backend_pid()")
+            [(pid,)] = cur.fetchall()
+            owner = psutil.Process(pid).username()
+    finally:
+        conn.close()
+    assert owner == ("postgres" if os.geteuid() == 0 else psutil.Process().username())
 
 
 def test_database_urls_name_a_database_per_server_and_never_show_the_password():
