@@ -44,6 +44,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.chmod(_WORKER_TMP, 0o755)
     os.environ["TMPDIR"] = _WORKER_TMP
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    import atexit
+    import shutil
+
+    # removed with the worker (its servers are stopped by then): runs do not pile up in /tmp
+    atexit.register(shutil.rmtree, _WORKER_TMP, ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

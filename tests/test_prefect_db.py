@@ -32,9 +32,13 @@ def test_a_new_database_is_a_migrated_copy_that_a_server_runs_on(tmp_path):
     assert prefect_db.template_path().name.startswith("prefect-")
     head = alembic_version(template)
 
-    with servers.prefect_server(tmp_path / "server") as api:
-        db = tmp_path / "server" / "prefect.db"
-        assert alembic_version(db) == head  # seeded, and the server's migrations agree
+    # Seeded before any server runs: a byte-for-byte copy of the template (after a start
+    # the version alone could not tell a copy from a database migrated from nothing).
+    db = tmp_path / "server" / "prefect.db"
+    assert prefect_db.seed(env_for(db)) is True
+    assert db.read_bytes() == template.read_bytes()
+    with servers.prefect_server(tmp_path / "server") as api:  # starts on that copy
+        assert alembic_version(db) == head  # the server's migrations found nothing to do
         from prefect.client.orchestration import get_client
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
