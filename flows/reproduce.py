@@ -139,8 +139,13 @@ def _models(client, research, stages) -> list[Check]:
         # the model's own config and rungs as its train run recorded them (a sweep's
         # settings differ); a run from before that record: the run's
         cfg = config if m.train is None else TypeAdapter(TrainConfig).validate_python(m.train)
-        own = plan if m.rungs is None else plan_rungs(
-            tuple(r for r in m.rungs if r != "stacked") or "none", device, head_dim=cfg.head_dim)
+        own = (
+            plan
+            if m.rungs is None
+            else plan_rungs(
+                tuple(r for r in m.rungs if r != "stacked") or "none", device, head_dim=cfg.head_dim
+            )
+        )
 
         def weights(parts=parts, fold=m.fold, cfg=cfg, own=own, lineage=lineage, key=m.key) -> str:
             if "stack" in lineage:  # trained in a stack (flows/sweep.py): that stack again

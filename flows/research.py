@@ -229,8 +229,12 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 **{f"sim.{k}": v for k, v in asdict(params.simulation).items()},
                 **{f"validation.{k}": v for k, v in asdict(params.validation).items()},
                 "folds": len(planned),
-                **({f"sweep.{k}": v for k, v in params.sweep.model_dump(mode="json").items()}
-                   | {"sweep.count": len(own_trials)} if sweeping else {}),
+                **(
+                    {f"sweep.{k}": v for k, v in params.sweep.model_dump(mode="json").items()}
+                    | {"sweep.count": len(own_trials)}
+                    if sweeping
+                    else {}
+                ),
             }
         )
         # Every input, resolved: the form as run, and each product's effective feature
@@ -280,8 +284,9 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                             with timeline.phase("train"):
                                 trained = train_flow(stage, params.train,
                                                      parent_run_id=parent.run_id)  # fmt: skip
-                            feedback.start("simulate",
-                                           f"{len(selection.products or []):,} products")
+                            feedback.start(
+                                "simulate", f"{len(selection.products or []):,} products"
+                            )
                             with timeline.phase("simulate"):
                                 sim = simulate_flow([f.model_url for f in trained.folds], stage,
                                                     params.simulation, parent_run_id=parent.run_id,
@@ -307,7 +312,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                         "p-values are adjusted for them; significant at 5%%: %s", trials,
                         ", ".join(survived) or "none")  # fmt: skip
         wall_s = time.perf_counter() - t0
-        sites = site_counts(ws, feats, trained, sim)
+        sites = site_counts(ws, feats, trained, sim, swept)
         parent.tags({"model_digest": trained.model_digest})
         if trained.model_version:
             parent.tags({"registered_model": trained.registered_model,
@@ -370,10 +375,14 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
             for p in sim.model
             if p != "total"
         },
-        model_cached=(all(f.cache_hit for f in trained.folds) if swept is None
-                      else swept.models_cached == swept.models),
-        simulation_cached=(sim.cache_hit if swept is None
-                           else all(r["simulation_cached"] for r in swept.settings)),
+        model_cached=(
+            all(f.cache_hit for f in trained.folds)
+            if swept is None
+            else swept.models_cached == swept.models
+        ),
+        simulation_cached=(
+            sim.cache_hit if swept is None else all(r["simulation_cached"] for r in swept.settings)
+        ),
         folds=len(trained.folds),
         per_fold=fold_rows(trained, sim),
         model_digest=trained.model_digest,
@@ -440,15 +449,19 @@ def sweep_fields(swept) -> dict:
             "sweep_stacks": swept.stacks, "sweep_check": swept.check}  # fmt: skip
 
 
-def site_counts(ws, feats, trained, sim) -> dict[str, dict]:
+def site_counts(ws, feats, trained, sim, swept=None) -> dict[str, dict]:
     """Per site: the feature nodes' counts, then training's and the replay's seconds there
-    and the bytes they read from other sites (a cached stage adds nothing)."""
+    and the bytes they read from other sites (a cached stage adds nothing). A sweep's
+    training: every model it trained (its best setting's replay only)."""
     per_hour = {s.name: s.cost_per_hour for s in ws.resolve_sites()}
     sites = {name: SiteCounts(**counts) for name, counts in feats.sites.items()}
+    train_s = (
+        swept.train_s if swept is not None
+        else sum(f.duration_s for f in trained.folds if not f.cache_hit)
+        if not all(f.cache_hit for f in trained.folds) else None
+    )  # fmt: skip
     stages = (
-        ("train", trained.site,
-         sum(f.duration_s for f in trained.folds if not f.cache_hit)
-         if not all(f.cache_hit for f in trained.folds) else None, trained.bytes_across),
+        ("train", trained.site, train_s, trained.bytes_across),
         ("simulate", sim.site, sim.compute_s, sim.bytes_across),
     )  # fmt: skip
     for stage, name, seconds, across in stages:
@@ -495,9 +508,17 @@ def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
             "",
             *(f"- {note}" for note in validity_notes(summary)),
             "",
-            *([f"## Sweep ({len(summary.sweep)} settings, ranked on the {summary.sweep_horizon}"
-               " paired mark-out; the best is the registered model)",
-               sweep_table(summary).markdown(), ""] if summary.sweep else []),
+            *(
+                [
+                    f"## Sweep ({len(summary.sweep)} settings, ranked on the "
+                    f"{summary.sweep_horizon} paired mark-out; the best, above, is the "
+                    "registered model)",
+                    sweep_table(summary).markdown(),
+                    "",
+                ]
+                if summary.sweep
+                else []
+            ),
             f"## Per fold ({summary.folds}: each model replays its own test window)",
             fold_table(summary).markdown(),
             "",

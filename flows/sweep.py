@@ -114,6 +114,7 @@ class SweepSummary(BaseModel):
     stacks: list[dict] = []  # the stacks trained in this run: K, shape, seconds, samples/s
     models: int = 0  # (setting, fold) models of the sweep
     models_cached: int = 0  # of them found by their key
+    train_s: float | None = None  # the training loops' seconds in this run (None: all cached)
     check: dict | None = None  # the registered model against its solo training
     trials: int = 1
 
@@ -250,13 +251,18 @@ def stacks_of(nodes: Sequence[Node], size: int) -> list[list[Node]]:
     for n in nodes:
         shared = (*(getattr(n.config, name) for name in stacked.SHARED), n.stack)
         groups.setdefault(shared, []).append(n)
-    return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
+    return [g[i : i + size] for g in groups.values() for i in range(0, len(g), size)]
 
 
 def member_record(n: Node) -> dict:
     """A stack member as its lineage names it: enough to train the stack again."""
-    return {"model_key": n.key, "config": asdict(n.config), "fold": n.fold.index,
-            "window": n.fold.window(), "feature_keys": sorted(o.key for o in n.parts.values())}
+    return {
+        "model_key": n.key,
+        "config": asdict(n.config),
+        "fold": n.fold.index,
+        "window": n.fold.window(),
+        "feature_keys": sorted(o.key for o in n.parts.values()),
+    }
 
 
 @flow(name="sweep")
@@ -312,15 +318,23 @@ def _sweep(stage, config, sweep, simulation, parent_run_id, trials, stack) -> Sw
 
     models, unique = found_models(site.root, nodes, logger)
     todo = [n for n in unique.values() if n.key not in models or models[n.key].reason]
-    logger.info("sweep: %d settings x %d folds = %d models; %d found by key, %d to train%s",
-                len(configs), len(planned), len(nodes), len(unique) - len(todo), len(todo),
-                f" as {'stacks' if sweep.stacked else 'one model at a time'}" if todo else "")
+    logger.info(
+        "sweep: %d settings x %d folds = %d models; %d found by key, %d to train%s",
+        len(configs),
+        len(planned),
+        len(nodes),
+        len(unique) - len(todo),
+        len(todo),
+        f" as {'stacks' if sweep.stacked else 'one model at a time'}" if todo else "",
+    )
     stacks = []
+    train_s = []
     if sweep.stacked:
         for group in stacks_of(todo, sweep.stack_size):
             specs = [(n.config, n.fold, n.parts) for n in group]
             results, timing, ran_at["worker"] = at_site(fit_stack, stage, specs, group[0].stack)
             stacks.append(stack_record(group, timing, fields))
+            train_s.append(timing["duration_s"])
             note = (f"trained a stack of {len(group)} models ({stacks[-1]['shape']}) in "
                     f"{timing['duration_s']:.1f} s: {timing['samples_per_s']:,.0f} samples/s "
                     f"(all models) after a {timing['warmup_s']:.1f} s warm-up, "
@@ -341,8 +355,14 @@ def _sweep(stage, config, sweep, simulation, parent_run_id, trials, stack) -> Sw
                                             stage.workspace.resolve_site().root)  # fmt: skip
         for n, result in zip(todo, results, strict=True):
             models[n.key] = store_model(site.root, n, result, models.get(n.key))
-            logger.info("setting %d fold %d: trained alone in %.1f s, final loss %.4f",
-                        n.setting, n.fold.index, result.duration_s, result.loss_curve[-1])
+            train_s.append(result.duration_s)
+            logger.info(
+                "setting %d fold %d: trained alone in %.1f s, final loss %.4f",
+                n.setting,
+                n.fold.index,
+                result.duration_s,
+                result.loss_curve[-1],
+            )
 
     # Each setting's models replay their own folds' test windows, pooled (cached by key).
     sims: list[SimSummary] = []
@@ -401,6 +421,7 @@ def _sweep(stage, config, sweep, simulation, parent_run_id, trials, stack) -> Sw
         stacks=stacks,
         models=len(nodes),
         models_cached=sum(models[n.key].cache_hit for n in nodes),
+        train_s=sum(train_s) if train_s else None,
         check=check,
         trials=trials,
     )
@@ -512,16 +533,23 @@ def trial_runs(
 
 def check_chosen(stage, root: str, node: Node, model: Keyed, at_site, device, logger) -> dict:
     """The registered (last-fold) model of the best setting against the same model trained
-    alone in the plain loop (keyed and stored as a research run of that setting with
-    `optimizations: none` stores it): the loss curve and the predictions on its fold's
-    test part, under the ladder's tolerance for the stack's precision. Kept by the two
-    models' keys: a re-run reads it back."""
+    alone with the same arithmetic: the ladder's rungs the stack applied (compile, bf16,
+    packing, FlexAttention), none on a CPU (the plain loop), which the ladder proved
+    equivalent to the plain loop. Compared: the loss curve and the predictions on its
+    fold's test part, under the ladder's tolerance for that precision. Why not the plain
+    fp32 loop on a GPU: at learning rates from 5e-4, a bf16 model trained alone is itself
+    over bf16's tolerance from the plain loop (docs/gpu.md), so the plain loop cannot tell
+    a stack's error from any rounding change there. The solo model is stored under the
+    key a research run of that setting with those rungs gives it; the comparison is kept
+    by the two models' keys: a re-run reads both back."""
     feats = [o.key for o in node.parts.values()]
-    alone_key = model_key(node.config, feats, node.fold.training_window(), (), device)
+    same = tuple(r for r in node.rungs if r != "stacked")
+    plan = plan_for(stage, dataclasses.replace(node.config, optimizations=same or "none"), device)
+    alone_key = model_key(node.config, feats, node.fold.training_window(), plan.rungs, device)
 
     def train_alone() -> TrainResult:
-        results, _ = at_site(fit_alone, stage, [(node.config, node.fold, node.parts)], [PLAIN],
-                             None)  # fmt: skip
+        results, _ = at_site(fit_alone, stage, [(node.config, node.fold, node.parts)], [plan],
+                             stage.workspace.resolve_site().root)  # fmt: skip
         return results[0]
 
     alone = keyed_output(root, "model", alone_key, ".pt", load=load_model, compute=train_alone,
@@ -539,19 +567,20 @@ def check_chosen(stage, root: str, node: Node, model: Keyed, at_site, device, lo
                                 "bf16" in node.rungs),
         save=lambda url, value: storage.write_bytes_atomic(url, json.dumps(value).encode()),
     )  # fmt: skip
-    check = {**kept.value, "alone_model_key": alone_key,
+    check = {**kept.value, "alone_rungs": list(plan.rungs), "alone_model_key": alone_key,
              "alone_model_digest": alone.value.model_digest, "cached": kept.cache_hit}  # fmt: skip
-    logger.info("the registered model against its solo training: %s (loss curve %.2e, "
-                "predictions %.2e; tolerance %s)", "equivalent" if check["equivalent"]
-                else "NOT equivalent", check["loss_max_rel_dev"], check["pred_rel_l2"],
-                check["tolerance"])  # fmt: skip
+    logger.info("the registered model against itself trained alone (rungs: %s): %s (loss "
+                "curve %.2e, predictions %.2e; tolerance %s)", ", ".join(plan.rungs) or "none",
+                "equivalent" if check["equivalent"] else "NOT equivalent",
+                check["loss_max_rel_dev"], check["pred_rel_l2"], check["tolerance"])  # fmt: skip
     return check
 
 
 def compare_alone(stage: StageParams, fold: Fold, test: dict[Partition, FeatureOutput],
                   stacked_url: str, alone_url: str, bf16: bool) -> dict:  # fmt: skip
     """Loss curves and held-out predictions of a stacked model and its solo training,
-    against the ladder's tolerance (profiling/config.py), where the models train."""
+    against the ladder's tolerance (profiling/config.py) for `bf16` or fp32, where the
+    models train."""
     where = str(resolve_device("auto"))
     together, alone = load_model(stacked_url, device=where), load_model(alone_url, device=where)
     tables = read_outputs(stage, test)

@@ -199,15 +199,22 @@ def test_a_sweep_trains_every_setting_and_fold_stacked_ranks_them_and_promote_se
             assert together.model_digest != alone.model_digest  # another sum order
             assert max_rel_dev(together.loss_curve, alone.loss_curve) <= FP32.loss_rel
             test = [o.read() for p, o in outputs.items() if p.date in fold.test_dates]
-            assert rel_l2(np.concatenate([predict(together, t) for t in test]),
-                          np.concatenate([predict(alone, t) for t in test])) <= FP32.pred_rel_l2
+            assert (
+                rel_l2(
+                    np.concatenate([predict(together, t) for t in test]),
+                    np.concatenate([predict(alone, t) for t in test]),
+                )
+                <= FP32.pred_rel_l2
+            )
     # the registered model was checked against its solo training in the run
     assert first.sweep_check["equivalent"] and first.sweep_check["tolerance"]["name"] == "fp32"
 
     # MLflow: the research run is the sweep's parent; a child run per (setting, fold).
     client = MlflowClient(mlflow_uri)
-    found = client.search_runs([first.mlflow_experiment_id],
-                               filter_string=f"tags.mlflow.parentRunId = '{first.mlflow_run_id}'")
+    found = client.search_runs(
+        [first.mlflow_experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{first.mlflow_run_id}'",
+    )
     stages = {}
     for r in found:
         stages.setdefault(r.data.tags["quantloop.stage"], []).append(r)

@@ -56,12 +56,18 @@ class Shape(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    d_model: DModel | None = Field(default=None, title="Model width",
-                                   description="Width of the transformer (a multiple of Heads).")
+    d_model: DModel | None = Field(
+        default=None,
+        title="Model width",
+        description="Width of the transformer (a multiple of Heads).",
+    )
     n_layers: Layers | None = Field(default=None, title="Layers", description="Transformer blocks.")
     n_heads: Heads | None = Field(default=None, title="Heads", description="Attention heads.")
-    ff_mult: FfMult | None = Field(default=None, title="Feed-forward width",
-                                   description="Feed-forward width as a multiple of the width.")
+    ff_mult: FfMult | None = Field(
+        default=None,
+        title="Feed-forward width",
+        description="Feed-forward width as a multiple of the width.",
+    )
 
 
 class Setting(Shape):
@@ -69,10 +75,12 @@ class Setting(Shape):
     the run's training value."""
 
     lr: Lr | None = Field(default=None, title="Learning rate", description="AdamW learning rate.")
-    weight_decay: WeightDecay | None = Field(default=None, title="Weight decay",
-                                             description="AdamW weight decay.")
-    seed: Seed | None = Field(default=None, title="Seed",
-                              description="Random seed of initialization and batch order.")
+    weight_decay: WeightDecay | None = Field(
+        default=None, title="Weight decay", description="AdamW weight decay."
+    )
+    seed: Seed | None = Field(
+        default=None, title="Seed", description="Random seed of initialization and batch order."
+    )
 
 
 class Sweep(BaseModel):
@@ -142,9 +150,10 @@ class Sweep(BaseModel):
     check_alone: bool = Field(
         default=True,
         title="Check the chosen model against its solo training",
-        description="With stacked training: train the registered model once more alone (the "
-        "plain loop) and compare its loss curve and held-out predictions under the ladder's "
-        "tolerances; the result is on its model version, and promote's ladder gate needs it.",
+        description="With stacked training: train the registered model once more alone, with "
+        "the rungs the stack applied (the plain loop on a CPU), and compare its loss curve "
+        "and held-out predictions under the ladder's tolerances; the result is on its model "
+        "version, and promote's ladder gate needs it. Costs one model's training, once.",
     )
 
     @model_validator(mode="after")
@@ -152,8 +161,13 @@ class Sweep(BaseModel):
         grid = [n for n in ("lr", "weight_decay", "seed", "shapes") if getattr(self, n)]
         if grid and self.settings:
             raise ValueError(f"give a grid ({', '.join(grid)}) or a list (settings), not both")
-        count = len(self.settings) if self.settings else math.prod(
-            max(len(getattr(self, n)), 1) for n in ("lr", "weight_decay", "seed", "shapes"))
+        count = (
+            len(self.settings)
+            if self.settings
+            else math.prod(
+                max(len(getattr(self, n)), 1) for n in ("lr", "weight_decay", "seed", "shapes")
+            )
+        )
         if count > MAX_SETTINGS:
             raise ValueError(f"the sweep has {count:,} settings; at most {MAX_SETTINGS}")
         return self
