@@ -297,12 +297,13 @@ def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp
 
 
 def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(warm, tmp_path,
-                                                                          monkeypatch):  # fmt: skip
+                                                                          monkeypatch, caplog):  # fmt: skip
     """tasks/runtime/overlap.call from a command of the server (its address set as the
     fork sets it): the registration's model export runs in another child of the server,
     from the stored model, and gives the model the export here gives; a call the server
-    does not list is refused; with QUANTLOOP_OVERLAP=0, or no server, the caller is told
-    to do the work itself."""
+    does not list is refused; a child that fails leaves the export to the caller, with a
+    warning; with QUANTLOOP_OVERLAP=0, or no server, the caller is told to do the work
+    itself."""
     import mlflow.pytorch
     import numpy as np
     import torch
@@ -341,6 +342,18 @@ def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(warm, t
     monkeypatch.setattr(overlap, "SERVER", forkserver.address(warm.env))
     with pytest.raises(overlap.CallFailed, match="not a call this server runs"):
         overlap.call("os:getcwd", {})
+    # a child that fails: exported here instead, and said so
+    def failing(target, kwargs):
+        raise overlap.CallFailed("planted")
+
+    monkeypatch.setattr(overlap, "call", failing)
+    fallback = tmp_path / "fallback"
+    fallback.mkdir()
+    with caplog.at_level("WARNING", logger="quantloop.tasks.records.registry"):
+        registry.export(result, example, str(fallback / "model"), meta, str(url))
+    assert "planted" in caplog.text and (fallback / "model" / "MLmodel").exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(overlap, "SERVER", forkserver.address(warm.env))
     monkeypatch.setenv("QUANTLOOP_OVERLAP", "0")
     with pytest.raises(overlap.Unavailable, match="QUANTLOOP_OVERLAP=0"):
         overlap.call("quantloop.tasks.records.registry:export_stored", {})

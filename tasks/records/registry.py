@@ -207,8 +207,8 @@ def export(
     is stored at `model_url`, a fresh child of that process exports it from the store
     (tasks/runtime/overlap.call): torch.export's seconds of tracing then run on another
     core instead of beside the simulation in this interpreter (on an H200 they slowed
-    its replay by ~2 s). Elsewhere, and where no such child can be had, it is exported
-    here from the trained model itself."""
+    its replay by ~2 s). Elsewhere, where no such child can be had, and where the child
+    fails (a warning with its traceback), it is exported here from the trained model."""
     if model_url is not None and overlap.available():
         example_path = os.path.join(os.path.dirname(local), "example.npy")
         np.save(example_path, example)
@@ -221,6 +221,9 @@ def export(
             return
         except overlap.Unavailable as exc:
             _logger.info("the model is exported here: %s", exc)
+        except overlap.CallFailed as exc:  # the export here is the reference: the run goes on
+            _logger.warning("the model's export in a warm process's child failed; exported "
+                            "here instead: %s", exc)  # fmt: skip
     save_exported(predictor(result), example, local, meta)
 
 
