@@ -296,8 +296,9 @@ def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp
         server.wait()
 
 
-def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(warm, tmp_path,
-                                                                          monkeypatch, caplog):  # fmt: skip
+def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(
+    warm, tmp_path, monkeypatch, caplog
+):
     """tasks/runtime/overlap.call from a command of the server (its address set as the
     fork sets it): the registration's model export runs in another child of the server,
     from the stored model, and gives the model the export here gives; a call the server
@@ -342,6 +343,7 @@ def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(warm, t
     monkeypatch.setattr(overlap, "SERVER", forkserver.address(warm.env))
     with pytest.raises(overlap.CallFailed, match="not a call this server runs"):
         overlap.call("os:getcwd", {})
+
     # a child that fails: exported here instead, and said so
     def failing(target, kwargs):
         raise overlap.CallFailed("planted")
