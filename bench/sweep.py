@@ -255,11 +255,12 @@ def warmup_probe(args) -> None:
     t_start = time.perf_counter()
     tables, fs, cfg, _ = setup(args)
     device = device_of()
-    cfg = dataclasses.replace(cfg, steps=8)
     data = prepare(tables, fs.inputs, fs.labels, cfg)
+    # the stacked part's stack of this K (same members and steps: the same packed rows, so
+    # the same shapes), its clock started right after the capture
     members = [Member(data=reseeded(data, c), config=c) for c in settings(cfg, args.probe_k)]
-    stack = dataclasses.replace(top_stack(device, cfg, 8), warmup_steps=4 if device.type ==
-                                "cuda" else 1)  # fmt: skip
+    warm = 4 if device.type == "cuda" else 1
+    stack = dataclasses.replace(top_stack(device, cfg, args.steps), warmup_steps=warm)
     t0 = time.perf_counter()
     _, timing = train_stacked(members, stack, compile_cache=args.store)
     print(json.dumps({"warmup_s": timing.warmup_s, "setup_s": timing.setup_s,
