@@ -337,7 +337,7 @@ def main() -> None:
     ap.add_argument("--large-batch", type=int, default=4096)
     ap.add_argument(
         "--parts",
-        default="stacked:16,solo,procs:16,breakdown,stacked:1,warmup,check,stacked:64,large,"
+        default="stacked:16,breakdown,solo,procs:16,stacked:1,warmup,large,check,stacked:64,"
         "stacked:4,procs:4",
         help="parts in order; stacked:K,K and procs:K,K name their K",
     )
@@ -421,10 +421,14 @@ def main() -> None:
         elif part == "breakdown":
             k = args.breakdown_k
             members = [Member(data=reseeded(data, c), config=c) for c in settings(cfg, k)]
-            for name, s in (("before", before_stack(device, args.steps)), ("after", stack)):
+            # after first: the stacked part's compiled loss of this K, kept (no compile)
+            for name, s in (("after", stack), ("before", before_stack(device, args.steps))):
+                reuse = name == "after"
                 try:
-                    result["breakdown"][name] = {"switches": list(s.switches()),
-                                                 **kernel_breakdown(members, s)}  # fmt: skip
+                    result["breakdown"][name] = {
+                        "switches": list(s.switches()),
+                        **kernel_breakdown(members, s, reuse_compiled=reuse),
+                    }
                 except Exception as exc:  # noqa: BLE001 - recorded
                     result["breakdown"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 print("breakdown", name, result["breakdown"][name], flush=True)

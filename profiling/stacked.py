@@ -744,21 +744,28 @@ def kernel_class(name: str, phase: str) -> str:
     return "norms_elementwise"
 
 
-def kernel_breakdown(members: Sequence[Member], stack: StackConfig, *, steps: int = 4,
-                     warm: int = 3) -> dict:  # fmt: skip
+def kernel_breakdown(
+    members: Sequence[Member],
+    stack: StackConfig,
+    *,
+    steps: int = 4,
+    warm: int = 3,
+    reuse_compiled: bool = False,
+) -> dict:
     """GPU time per step by kernel class (CLASSES) for this stack: `warm` steps, then
     `steps` profiled steps run eagerly (the graph's kernels, without the graph), the device
     synchronised between forward, backward and optimizer so each kernel falls in its
-    phase. Also the phases' wall time and the kernels' count. CUDA only (None on a CPU)."""
+    phase. Also the phases' wall time and the kernels' count. CUDA only ({} on a CPU).
+    The members' whole packing plan is made (their shapes are the training's, so a loss
+    compiled for it is found: reuse_compiled, or Inductor's cache); only the first
+    warm + steps steps run."""
     device = resolve_device(members[0].config.device)
     if device.type != "cuda":
         return {}
-    need = warm + steps
-    members = [dataclasses.replace(m, config=dataclasses.replace(m.config, steps=need))
-               for m in members]  # fmt: skip
-    members = [dataclasses.replace(m, data=dataclasses.replace(
-        m.data, order=m.data.order[:need])) for m in members]  # fmt: skip
-    forget_compiled()
+    if warm + steps > members[0].config.steps:
+        raise ValueError(f"{warm + steps} steps asked of a training of {members[0].config.steps}")
+    if not reuse_compiled:
+        forget_compiled()
     eager = dataclasses.replace(stack, cudagraph=False, warmup_steps=0)
     step = StackStep(members, eager, device)
     spans: list[tuple[str, float, float]] = []
