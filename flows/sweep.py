@@ -90,10 +90,7 @@ from quantloop.tasks.research.training import (
 from quantloop.tasks.runtime import progress, timeline
 from quantloop.tasks.runtime.sites import GPU, gpu_client, worker_address
 
-# The ladder's switches the stacked trainer has (profiling/stacked.py StackConfig); the
-# others of a plan (CUDA graph, fused optimizer kernel, streams, ...) train a model alone.
-STACK_RUNGS = ("compile", "bf16", "packing", "flex_attention")
-PLAIN = Plan(requested="none", rungs=(), proof=None)
+PLAIN = Plan(requested="none", rungs=(), proof=None)  # the plain loop's plan
 
 Spec = tuple[TrainConfig, Fold, dict[Partition, FeatureOutput]]  # one model to train
 
@@ -134,11 +131,17 @@ class Node:
 
 
 def stack_setup(plan: Plan) -> tuple[StackConfig, tuple[str, ...]]:
-    """The stack's switches from a training plan (those of STACK_RUNGS the plan applies)
-    and the rungs a stacked model records: "stacked", then those."""
-    on = {name: name in plan.rungs for name in STACK_RUNGS}
-    rungs = ("stacked", *(name for name, applied in on.items() if applied))
-    return StackConfig(**on, compile_backend=plan.compile_backend), rungs
+    """The stack's switches from a training plan: those of the plan's rungs a stack has
+    (profiling/stacked.py SWITCHES: the device's metrics, the copy stream and the loader's
+    mask are the solo loop's), less any whose own requirement is not among them; and the
+    rungs a stacked model records: "stacked", then those."""
+    on = {name for name in stacked.SWITCHES if name in plan.rungs}
+    while lacking := {n for n, needs in stacked.REQUIRES.items()
+                      if n in on and not set(needs) <= on}:  # fmt: skip
+        on -= lacking
+    stack = StackConfig(**{name: True for name in on}, compile_backend=plan.compile_backend,
+                        warmup_steps=10 if "cudagraph" in on else 3)  # fmt: skip
+    return stack, ("stacked", *stack.switches())
 
 
 def member_data(base: TrainingData, cfg: TrainConfig) -> TrainingData:
@@ -183,11 +186,13 @@ def fit_stack(
 ) -> tuple[list[TrainResult], dict, str]:
     """Train the specs as one stack, wherever it runs: each model's result (as its solo
     run would give it, within the ladder's tolerances), the stack's timing, and the Dask
-    worker it ran on ("" in the flow's process)."""
+    worker it ran on ("" in the flow's process). A compiled stack's kernels are kept in
+    (and looked for in) the workspace site's store, as a solo training's are."""
     datas = read_members(stage, specs)
     members = [Member(data=d, config=cfg) for d, (cfg, _, _) in zip(datas, specs, strict=True)]
+    root = stage.workspace.resolve_site().root
     with timeline.phase("train: stacked steps"):
-        results, timing = train_stacked(members, stack)
+        results, timing = train_stacked(members, stack, compile_cache=root)
     return results, asdict(timing), worker_address()
 
 
@@ -533,18 +538,17 @@ def trial_runs(
 
 def check_chosen(stage, root: str, node: Node, model: Keyed, at_site, device, logger) -> dict:
     """The registered (last-fold) model of the best setting against the same model trained
-    alone with the same arithmetic: the ladder's rungs the stack applied (compile, bf16,
-    packing, FlexAttention), none on a CPU (the plain loop), which the ladder proved
-    equivalent to the plain loop. Compared: the loss curve and the predictions on its
-    fold's test part, under the ladder's tolerance for that precision. Why not the plain
-    fp32 loop on a GPU: at learning rates from 5e-4, a bf16 model trained alone is itself
-    over bf16's tolerance from the plain loop (docs/gpu.md), so the plain loop cannot tell
-    a stack's error from any rounding change there. The solo model is stored under the
-    key a research run of that setting with those rungs gives it; the comparison is kept
-    by the two models' keys: a re-run reads both back."""
+    alone as the train stage trains it (the training plan's rungs, which the ladder proved
+    equivalent to the plain loop; on a CPU, the plain loop itself): the loss curve and the
+    predictions on its fold's test part, under the ladder's tolerance for the stack's
+    precision (bf16 or fp32). Why not the plain fp32 loop on a GPU: at learning rates from
+    5e-4 a bf16 model trained alone is itself over bf16's tolerance from the plain loop
+    (docs/gpu.md), so the plain loop cannot tell a stack's error from any rounding change
+    there. The solo model is stored under the train stage's key (a research run of that
+    setting alone finds it); the comparison is kept by the two models' keys: a re-run
+    reads both back."""
     feats = [o.key for o in node.parts.values()]
-    same = tuple(r for r in node.rungs if r != "stacked")
-    plan = plan_for(stage, dataclasses.replace(node.config, optimizations=same or "none"), device)
+    plan = node.plan
     alone_key = model_key(node.config, feats, node.fold.training_window(), plan.rungs, device)
 
     def train_alone() -> TrainResult:
