@@ -112,6 +112,77 @@ def test_settings_rank_on_the_paired_difference_and_a_setting_without_trades_is_
     assert [r["rank"] for r in ranked] == [1, 2, 3, 4] and ranked[0]["diff_bps"] == 0.3
 
 
+def test_a_stack_takes_the_switches_of_the_plan_it_has_and_their_requirements():
+    from quantloop.flows.sweep import stack_setup
+    from quantloop.profiling.proof import Plan
+
+    top = ("compile", "bf16", "device_metrics", "fused_kernel", "streams", "cudagraph",
+           "packing", "flex_attention", "flat_grads", "combo_kernels", "loader_mask",
+           "flex_blocks")  # fmt: skip
+    stack, rungs = stack_setup(Plan(requested="auto", rungs=top, proof=None))
+    assert rungs == ("stacked", "compile", "bf16", "packing", "flex_attention", "flex_blocks",
+                     "fused_kernel", "flat_grads", "cudagraph", "combo_kernels")  # fmt: skip
+    assert stack.warmup_steps >= 4  # 3 eager steps before the capture
+    # a switch whose requirement the plan lacks is left out with what needs it
+    stack, rungs = stack_setup(Plan(requested="auto", rungs=("flex_attention", "flex_blocks",
+                                                              "flat_grads"), proof=None))
+    assert rungs == ("stacked",) and not stack.flex_attention and not stack.flat_grads
+    assert stack_setup(Plan(requested="none", rungs=(), proof=None))[1] == ("stacked",)
+
+
+def test_each_setting_and_fold_has_its_key_and_alone_it_is_the_train_stages():
+    """Stacked: a key of its own per (setting, fold), not the solo model's; alone
+    (`stacked: false`): the train stage's key, so a plain research run of a setting and
+    the sweep share that model. Two folds that train on the same dates share one."""
+    import datetime as dt
+
+    from quantloop.flows.sweep import PLAIN, plan_nodes, stacked_key
+    from quantloop.flows.train import model_key
+    from quantloop.tasks.data.schema import Partition
+    from quantloop.tasks.research.folds import Fold
+    from quantloop.tasks.research.stage import FeatureOutput
+
+    days = [dt.date(2026, 3, d) for d in (2, 3, 4)]
+    outputs = {Partition("SYNA", d): FeatureOutput(f"feature-{d}", None) for d in days}
+    folds = [Fold(0, (days[0],), (days[1],)), Fold(1, days[:2], (days[2],)),
+             Fold(2, days[:2], (days[2],), holdout_fraction=None)]  # fmt: skip
+    sweep = Sweep(lr=[1e-3, 2e-3])
+    configs = sweep.expand(TrainConfig(**SMALL))
+    stacked = plan_nodes(configs, folds, outputs, {configs[0].head_dim: PLAIN}, sweep, None)
+    alone = plan_nodes(configs, folds, outputs, {configs[0].head_dim: PLAIN},
+                       sweep.model_copy(update={"stacked": False}), None)  # fmt: skip
+    for s, a in zip(stacked, alone, strict=True):
+        feats = [o.key for o in s.parts.values()]
+        assert a.key == model_key(a.config, feats, a.fold.training_window(), ())
+        assert s.key == stacked_key(s.config, feats, s.fold.training_window(), ("stacked",),
+                                    "cpu")  # fmt: skip
+        assert s.key != a.key and s.stack is not None and a.stack is None
+    keys = [n.key for n in stacked]
+    assert len(set(keys)) == 4 and keys[1] == keys[2] and keys[4] == keys[5]
+
+
+def test_the_ladder_gate_takes_a_stacked_model_only_on_its_runs_check():
+    from types import SimpleNamespace
+
+    from quantloop.flows.promote import ladder_gate
+
+    check = {"equivalent": True, "loss_max_rel_dev": 1e-7, "pred_rel_l2": 1e-5,
+             "tolerance": {"name": "fp32"}}  # fmt: skip
+
+    def version(**tags):
+        return SimpleNamespace(tags={"rungs": "stacked", **tags})
+
+    assert ladder_gate(version(stack_check=json.dumps(check)))["passed"]
+    failed = ladder_gate(version(stack_check=json.dumps({**check, "equivalent": False})))
+    assert not failed["passed"] and "not equivalent to its solo training" in failed["why"]
+    assert not ladder_gate(version())["passed"]  # no check: refused
+    # its ladder rungs still need the ladder's proof
+    proof = json.dumps({"proven": ["compile"], "source": "ladder.json"})
+    mixed = version(rungs="stacked,compile,bf16", stack_check=json.dumps(check),
+                    ladder_result=proof)  # fmt: skip
+    assert ladder_gate(mixed)["why"] == "not proven equivalent: ['bf16']"
+
+
 # ---------------------------------------------------------------- the research run
 
 SWEEP_RUN = {
