@@ -150,9 +150,9 @@ class Sweep(BaseModel):
     check_alone: bool = Field(
         default=True,
         title="Check the chosen model against its solo training",
-        description="With stacked training: train the registered model once more alone, with "
-        "the rungs the stack applied (the plain loop on a CPU), and compare its loss curve "
-        "and held-out predictions under the ladder's tolerances; the result is on its model "
+        description="With stacked training: train the registered model once more alone, as "
+        "the train stage trains it (the plain loop on a CPU), and compare its loss curve and "
+        "held-out predictions under the ladder's tolerances; the result is on its model "
         "version, and promote's ladder gate needs it. Costs one model's training, once.",
     )
 
