@@ -728,7 +728,8 @@ def train_stacked(
 # (cuBLAS / CUTLASS GEMMs; FlexAttention's Triton templates, the only templates Inductor
 # makes without max-autotune, and SDPA's kernels; the rest: norms, elementwise, gathers,
 # reductions, copies), and everything the optimizer phase runs.
-GEMM_NAMES = ("gemm", "xmma", "cutlass", "nvjet", "cublas", "bmm", "wgmma", "s16816", "s1688")
+GEMM_NAMES = ("gemm", "gemv", "xmma", "cutlass", "nvjet", "cublas", "bmm", "wgmma", "s16816",
+              "s1688", "splitkreduce")  # fmt: skip
 ATTENTION_NAMES = ("flex", "attention", "fmha", "flash", "triton_tem", "sdpa")
 CLASSES = ("gemm", "attention", "norms_elementwise", "optimizer")
 

@@ -186,6 +186,7 @@ def test_kernel_classes_by_name_and_phase():
     assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "forward") == "gemm"
     assert kernel_class("nvjet_hsh_128x64_64x4_1x2_h_bz_coopA_NTN", "backward") == "gemm"
     assert kernel_class("triton_tem_fused_flex_attention_0", "forward") == "attention"
+    assert kernel_class("void splitKreduce_kernel<32, 16, int, float>", "backward") == "gemm"
     assert kernel_class("triton_per_fused_native_layer_norm_3", "forward") == "norms_elementwise"
     assert kernel_class("triton_poi_fused_add_mul_0", "optimizer") == "optimizer"
 
