@@ -217,9 +217,10 @@ def end_run(client: MlflowClient, run_id: str, status: str) -> None:
         try:
             client.set_terminated(run_id, status)
         finally:
-            if before is None:
-                os.environ.pop(name, None)
-            else:
+            # Never removed once set: runs end on background threads, and a variable
+            # removed while another thread iterates os.environ (httpx reading proxies
+            # as Prefect makes a client) raised KeyError there and failed the run.
+            if before is not None:
                 os.environ[name] = before
 
 
