@@ -116,7 +116,10 @@ def warm_api(tmp_path_factory, prefect_api):
     interrupt a research run: what they end is the command, not the server."""
     tmp = tmp_path_factory.mktemp("warm-api")
     w = Warm(tmp)
-    w.env = {**servers.prefect_env(tmp / "prefect", PREFECT_API_URL=prefect_api),
+    # QUANTLOOP_INLINE_BELOW_S=0: a run's small first nodes start the LocalCluster (not run
+    # in the flow's process), so that it has Dask processes to interrupt it among
+    w.env = {**servers.prefect_env(tmp / "prefect", PREFECT_API_URL=prefect_api,
+                                   QUANTLOOP_INLINE_BELOW_S="0"),
              **{k: w.env[k] for k in ("QUANTLOOP_FORKSERVER", "QUANTLOOP_FORKSERVER_IDLE_S",
                                       "TMPDIR", "COLUMNS")}}  # fmt: skip
     w.env.pop("XDG_RUNTIME_DIR", None)

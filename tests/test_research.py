@@ -51,7 +51,12 @@ def children(client: MlflowClient, run_id: str) -> dict:
 
 
 @pytest.mark.slow
-def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_uri, tmp_path):
+def test_research_records_everything_and_reruns_from_cache(
+    prefect_api, mlflow_uri, tmp_path, monkeypatch
+):
+    # On the LocalCluster, as the module says: these 6 small first nodes would otherwise
+    # run in the flow's process (flows/features.py, QUANTLOOP_INLINE_BELOW_S)
+    monkeypatch.setenv("QUANTLOOP_INLINE_BELOW_S", "0")
     params = tiny_params(tmp_path / "home", mlflow_uri)
     first = research(params)
 
