@@ -402,8 +402,9 @@ def test_a_gpu_site_whose_workers_are_all_gone_fails_naming_it_or_its_stages_mov
         task of `prefix`; (summary or error, seconds from the kill to the run's end)."""
         with servers.dask_site(tmp_path / folder, resources="GPU=1") as address, \
                 Client(address, timeout="10s") as client:  # fmt: skip
-            on_b = ws.model_copy(update={"sites": [b.model_copy(update={
-                "scheduler_address": address, "storage_root": str(tmp_path / folder / "b")})]})
+            store = str(tmp_path / folder / "b")
+            b_here = b.model_copy(update={"scheduler_address": address, "storage_root": store})
+            on_b = ws.model_copy(update={"sites": [b_here]})
             client.register_plugin(servers.KillSiteGiven(prefix))
             try:
                 outcome = run(stage_of(on_b, **update))

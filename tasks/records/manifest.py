@@ -180,11 +180,13 @@ def lineage(
             record = json.loads(storage.read_bytes(url))
             if row["key"] in record.get("feature_keys", []):
                 model = models.setdefault(record["model_key"], {
-                    k: record[k] for k in ("model_key", "model_digest", "created_at")})
+                    k: record[k] for k in ("model_key", "model_digest", "created_at")})  # fmt: skip
                 model["trained_at"] = model.get("trained_at") or at_site
     for model in models.values():  # where each model is stored now (the catalog's copies)
-        model["stored_at"] = [{"site": c.site, "url": c.url, "origin": c.origin}
-                              for c in catalog.output_copies("model", model["model_key"])]
+        copies = catalog.output_copies("model", model["model_key"])
+        model["stored_at"] = [{"site": c.site, "url": c.url, "origin": c.origin} for c in copies]
+    stored_at = [{"site": s, "url": r["output_url"], "offset": r["output_offset"],
+                  "written_at": r["written_at"]} for s, _, r in found]  # fmt: skip
     return {
         "key": row["key"],
         "kind": row["kind"],
@@ -204,8 +206,7 @@ def lineage(
         },
         "written_at": row["written_at"],
         # every copy: where it was computed (first), then those made for readers elsewhere
-        "stored_at": [{"site": s, "url": r["output_url"], "offset": r["output_offset"],
-                       "written_at": r["written_at"]} for s, _, r in found],
+        "stored_at": stored_at,
         "used_by_models": list(models.values()),
         **({"not_answering": unreachable} if unreachable else {}),
     }

@@ -256,6 +256,25 @@ class SiteOutputs:
                  held.name if held else url, to.name, length)  # fmt: skip
         return dst, length
 
+    def _index_rows(self, outputs: Mapping[Partition, FeatureOutput]) -> list[dict]:
+        """The index rows of feature outputs at the sites holding them (what their copies
+        are indexed with), one per key; LookupError if one is not indexed there."""
+        from quantloop.tasks.research.planning import feature_kind
+
+        kind = feature_kind().name
+        rows: dict[str, dict] = {}
+        for site in self.sites:
+            mine = {o.key: p.product for p, o in outputs.items() if site.holds(o.blob.url)}
+            if mine:
+                nodes = pa.table({"key": list(mine), "product": list(mine.values())})
+                found = NodeStore(site.root).existing(kind, nodes).to_pylist()
+                rows |= {r["key"]: r for r in found}
+        missing = {o.key for o in outputs.values()} - set(rows)
+        if missing:
+            raise LookupError(f"{len(missing)} feature outputs are not indexed where they are "
+                              f"stored (e.g. {sorted(missing)[0][:12]})")  # fmt: skip
+        return list(rows.values())
+
     def bring_features(
         self, parts: Mapping[Partition, FeatureOutput], to: Site, run: Run
     ) -> tuple[dict[Partition, FeatureOutput], int]:
@@ -265,14 +284,11 @@ class SiteOutputs:
         away = {p: o for p, o in parts.items() if not to.holds(o.blob.url)}
         if not away:
             return dict(parts), 0
-        rows = list({o.key: o.row for o in away.values()}.values())
-        if any(r is None for r in rows):
-            raise ValueError("feature outputs without their index rows cannot be copied")
+        rows = self._index_rows(away)
         made = {r["key"]: r for r in run(copy_feature_outputs, rows, to.root)}
         out = dict(parts)
         for part, o in away.items():
-            row = made[o.key]
-            out[part] = FeatureOutput(o.key, output_blob(row), site=to.name, row=row)
+            out[part] = FeatureOutput(o.key, output_blob(made[o.key]), site=to.name)
         copied = sum(r["output_length"] for r in made.values())
         log.info("%d feature outputs copied to site %s (%d bytes)", len(made), to.name, copied)
         return out, copied

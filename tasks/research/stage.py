@@ -174,8 +174,6 @@ class FeatureOutput:
     key: str  # the feature node's key: what downstream keys are built from
     blob: storage.Blob
     site: str = ""  # the site whose store holds this copy
-    # its index row there: what a copy to another site is indexed with (tasks/research/sited)
-    row: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def read(self) -> pa.Table:
         return storage.read_table(self.blob)
@@ -253,7 +251,7 @@ def feature_outputs(
     ):
         part = Partition.trusted(product, dt.date.fromisoformat(date))
         if key in rows:
-            out[part] = FeatureOutput(key, output_blob(rows[key]), held[key], rows[key])
+            out[part] = FeatureOutput(key, output_blob(rows[key]), held[key])
         else:
             missing.append(str(part))
     if missing:
