@@ -448,9 +448,13 @@ def test_a_gpu_site_whose_workers_are_all_gone_fails_naming_it_or_its_stages_mov
     assert (sim.site, sim.worker, sim.cache_hit) == ("A", "", False)
     assert sim.bytes_across_at == {"B": model_bytes + at_a}
 
-    # The model and the mark-outs are those of a run on one site, without the fault.
-    one = Workspace(home=str(tmp_path / "one"), n_workers=1)
-    land_synthetic(one.catalog(), one.resolve_site().root, AT_A, DATES, SYNTHETIC)
+    # The model and the mark-outs are those of a run on one site (A's cluster, another
+    # store and catalog), without the fault.
+    one = Workspace(
+        home=str(tmp_path / "one"),
+        site=a.model_copy(update={"storage_root": str(tmp_path / "one-a")}),
+    )
+    land_synthetic(one.catalog(), one.resolve_site().root, AT_A, DATES, SYNTHETIC, site="A")
     features(stage_of(one))
     alone = train(stage_of(one), TINY)
     assert trained.model_digest == alone.model_digest
