@@ -18,7 +18,8 @@
 #                                            from process start to exit (cold, no-op, one
 #                                            feature changed, training changed), REPEAT (3)
 #                                            each, on the ladder's workload shape; CASES
-#                                            picks them (bench/turnaround.py --cases)
+#                                            picks them (bench/turnaround.py --cases),
+#                                            COLD_REPEAT the cold runs, TURN_NAME the files
 #   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
 #                                            against one after another and K processes);
 #                                            SWEEP_ARGS picks its parts (--parts, --ks, --steps)
@@ -161,7 +162,8 @@ if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
   # own path (bench/report.py). The LOBSTER samples (../shared) do not travel: skipped.
   (cd /tmp && PYTHONPATH=/tmp/site timeout "${TURN_TIMEOUT:-540}" python3 -P \
     "$repo/bench/turnaround.py" --data "${DATA:-synthetic,lobster}" --repeat "${REPEAT:-3}" \
-    ${CASES:+--cases "$CASES"} --params "$params" --name turnaround-h200 --results "$out" \
+    ${CASES:+--cases "$CASES"} ${COLD_REPEAT:+--cold-repeat "$COLD_REPEAT"} \
+    --params "$params" --name "${TURN_NAME:-turnaround-h200}" --results "$out" \
     --work /tmp/turn) 2>&1 \
     | grep --line-buffered -v Warn | tee /tmp/turnaround.log
   echo "== turnaround rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"

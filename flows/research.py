@@ -23,7 +23,7 @@ from quantloop.flows.features import features as features_flow
 from quantloop.flows.features import placement_metrics
 from quantloop.flows.params import DataSource, ResearchParams  # noqa: F401 - the form
 from quantloop.flows.simulate import simulate as simulate_flow
-from quantloop.flows.train import records_in_background, with_version
+from quantloop.flows.train import import_inductor_ahead, records_in_background, with_version
 from quantloop.flows.train import train as train_flow
 from quantloop.tasks.data.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.engine import sha256_json, storage
@@ -179,6 +179,9 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     partitions = selection.table(ws.catalog()).num_rows
     data_digest = selection.pin  # the digest of exactly the versions landed (and read)
     stage = params.stage(selection)
+    # A training that will compile on a GPU here needs Inductor: imported in a thread
+    # while the run records, computes its features and plans (the trainer waits for it)
+    import_inductor_ahead(stage, params.train)
     # The folds over the landed dates, before any feature is computed: folds that do not
     # fit the dates fail here, naming the validation's fields.
     with timeline.phase("planning"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime as dt
+import importlib
 import io
 import json
 import os
@@ -47,7 +48,7 @@ from quantloop.tasks.research.training import (
     load_model,
     resolve_device,
 )
-from quantloop.tasks.runtime import progress, timeline
+from quantloop.tasks.runtime import overlap, progress, timeline
 from quantloop.tasks.runtime.sites import stage_site
 
 
@@ -139,6 +140,59 @@ def ladder_results(stage: StageParams) -> list[str]:
 def plan_for(stage: StageParams, config: TrainConfig, device: str | None = None) -> Plan:
     where = torch.device(device) if device else resolve_device(config.device)
     return plan_rungs(config.optimizations, where, ladder_results(stage), head_dim=config.head_dim)
+
+
+# What torch._dynamo.reset() imports before a compiled training where CUDA is available
+# (cudagraph_trees), and the first compile's backend (compile_fx): 3.1 s of an H200
+# research run's train stage (bench/results/turnaround-h200-rows-notes.md). The warm
+# process cannot import them ahead: on the H200 that import initializes CUDA, which a
+# forked child cannot use; the run imports them in a thread while it lands, plans and
+# reads its features (tasks/runtime/overlap.py), and the trainer waits for it.
+INDUCTOR_MODULES = ("torch._inductor.cudagraph_trees", "torch._inductor.compile_fx")
+
+
+def import_inductor_ahead(stage: StageParams, config: TrainConfig) -> bool:
+    """Import Inductor in a thread when this process will compile a training on a GPU
+    (`compiles_here`, decided in the thread too); False when overlap is off."""
+
+    def work() -> None:
+        if compiles_here(stage, config):
+            for module in INDUCTOR_MODULES:
+                importlib.import_module(module)
+
+    return overlap.ahead("inductor", work)
+
+
+def compiles_here(stage: StageParams, config: TrainConfig) -> bool:
+    """Whether the train stage will compile a training in this process on a GPU: no site
+    has Dask workers that could take it, the device is CUDA, the plan compiles, and a
+    fold's model is missing from the store (`models_missing`)."""
+    if any(s.gpus and s.scheduler_address for s in stage.workspace.resolve_sites()):
+        return False
+    if resolve_device(config.device).type != "cuda":
+        return False
+    plan = plan_for(stage, config)
+    return "compile" in plan.rungs and models_missing(stage, config, plan)
+
+
+def models_missing(stage: StageParams, config: TrainConfig, plan: Plan) -> bool:
+    """Whether a fold's model is not stored under the key the train stage will look
+    for, known before the features stage runs: the keys of the planned feature nodes
+    are the keys their outputs are stored under."""
+    planned = plan_features(stage).nodes
+    keys = {
+        Partition.trusted(product, dt.date.fromisoformat(date)): key
+        for key, product, date in zip(
+            *(planned[c].to_pylist() for c in ("key", "product", "date")), strict=True
+        )
+    }
+    sited = SiteOutputs(stage.workspace)  # stored at any site (the catalog's copies)
+    for fold in plan_folds(stage):
+        key = model_key(config, list(training_part(keys, fold).values()),
+                        fold.training_window(), plan.rungs)  # fmt: skip
+        if not sited.find("model", key, ".pt"):
+            return True
+    return False
 
 
 def device_type(name: str) -> str:
@@ -440,7 +494,7 @@ def _record(
                 client, tracking_block.resolved_uri(), experiment, run.run_id, result, example,
                 name=tracking_block.candidates, model_key=model.key, tags=tags,
                 log=run,  # its step-0 metrics become the logged model's, sent once at the end
-                source=source,
+                source=source, model_url=model.url,
             )  # fmt: skip
             run.tags({"registered_model": version.name, "model_version": version.version})
             run.dataset(name=stage.selection.dataset, digest=digests["data_digest"],
