@@ -30,7 +30,7 @@ from quantloop.tasks.records.provenance import code_digest
 from quantloop.tasks.research import folds, training
 from quantloop.tasks.research.folds import Fold
 from quantloop.tasks.research.form import TrainForm
-from quantloop.tasks.research.sited import SiteOutputs, fit_and_store
+from quantloop.tasks.research.sited import SiteOutputs, device_type, fit_and_store
 from quantloop.tasks.research.stage import (
     FeatureOutput,
     Keyed,
@@ -195,9 +195,6 @@ def models_missing(stage: StageParams, config: TrainConfig, plan: Plan) -> bool:
     return False
 
 
-def device_type(name: str) -> str:
-    """The device type `name` resolves to where this runs (on a GPU site's worker)."""
-    return resolve_device(name).type
 
 
 @flow(name="train")

@@ -48,6 +48,9 @@ def verify(
         console.print(line, soft_wrap=True)
     for line in report["unreachable"]:
         console.print(f"not checked: {line}", soft_wrap=True)
+    if report["not_on_this_host"]:
+        console.print(f"{len(report['not_on_this_host'])} recorded copies are in folders this "
+                      "host does not have: not checked here")  # fmt: skip
     sites = ", ".join(f"{name} {c['outputs_checked']:,}" for name, c in report["sites"].items())
     console.print(
         f"{report['outputs_checked']:,} of {report['outputs_committed']:,} outputs checked, "

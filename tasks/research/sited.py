@@ -112,6 +112,15 @@ def copy_feature_outputs(rows: list[dict], root: str) -> list[dict]:
     return made
 
 
+def device_type(name: str) -> str:
+    """The device type `name` resolves to where this runs (on a GPU site's worker). Here,
+    not in flows/train.py: a worker given it imports this module, not the flow's (MLflow,
+    the registry)."""
+    from quantloop.tasks.research.training import resolve_device
+
+    return resolve_device(name).type
+
+
 def fit_and_store(stage, config, plan, parts, fold, url: str) -> tuple[Any, str, str, int]:
     """Train a fold's model (profiling.trainer.fit_stage) and store it at `url`, at the
     site where this runs. Returns the result, the worker ("" here), sha256 and size."""
