@@ -30,7 +30,7 @@ from quantloop.tasks.records.provenance import code_digest
 from quantloop.tasks.research import folds, training
 from quantloop.tasks.research.folds import Fold
 from quantloop.tasks.research.form import TrainForm
-from quantloop.tasks.research.sited import SiteOutputs, device_type, fit_and_store
+from quantloop.tasks.research.sited import SiteOutputs, at_front, device_type, fit_and_store
 from quantloop.tasks.research.stage import (
     FeatureOutput,
     Keyed,
@@ -195,8 +195,6 @@ def models_missing(stage: StageParams, config: TrainConfig, plan: Plan) -> bool:
     return False
 
 
-
-
 @flow(name="train")
 def train(
     stage: StageParams = StageParams(),
@@ -260,8 +258,8 @@ def _train(stage, config, parent_run_id, site, stack, logger, down, spent) -> Tr
             spent[at.name] = spent.get(at.name, 0) + copied[0]
             outputs.update(local)  # later folds read the copies
             # stored at `url`, at the site that trains it
-            result, worker, digest, length = where.run(fit_and_store, stage, config, plan,
-                                                       local, fold, url)  # fmt: skip
+            result, worker, digest, length = where.run(fit_and_store, at_front(stage, at),
+                                                       config, plan, local, fold, url)  # fmt: skip
             ran_at["worker"] = worker
             return result, digest, length
 

@@ -112,6 +112,20 @@ def copy_feature_outputs(rows: list[dict], root: str) -> list[dict]:
     return made
 
 
+def at_front(stage, site: Site):
+    """The stage with `site` as its workspace's default site (the others after it): what
+    the training site's worker is given, so the compile cache (profiling/compile_cache.py,
+    kept in the default site's store) is its own site's, not read across."""
+    ws = stage.workspace
+    sites = ws.resolve_sites()
+    if sites[0].name == site.name:
+        return stage
+    others = [s for s in sites if s.name != site.name]
+    return stage.model_copy(
+        update={"workspace": ws.model_copy(update={"site": site, "sites": others})}
+    )
+
+
 def device_type(name: str) -> str:
     """The device type `name` resolves to where this runs (on a GPU site's worker). Here,
     not in flows/train.py: a worker given it imports this module, not the flow's (MLflow,
@@ -128,7 +142,7 @@ def fit_and_store(stage, config, plan, parts, fold, url: str) -> tuple[Any, str,
     from quantloop.tasks.research.training import model_bytes
     from quantloop.tasks.runtime import timeline
 
-    result, worker = trainer.fit_stage(stage, config, plan, parts, fold)
+    result, worker = trainer.fit_stage(stage, config, plan, parts, fold)  # see at_front
     with timeline.phase("train: save model"):
         data = model_bytes(result)
         storage.write_bytes_atomic(url, data)
