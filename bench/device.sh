@@ -20,6 +20,8 @@
 #                                            each, on the ladder's workload shape; CASES
 #                                            picks them (bench/turnaround.py --cases),
 #                                            COLD_REPEAT the cold runs, TURN_NAME the files
+#   bash bench/device.sh research-sweep OUT COMMIT  one H200: `quantloop run` of a sweep with
+#                                            walk-forward folds (research-h200-sweep.json)
 #   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
 #                                            against one after another and K processes);
 #                                            SWEEP_ARGS picks its parts (--parts, --ks, --steps)
@@ -124,6 +126,27 @@ if [ "$stage" = gap ]; then  # the research run against the top rung, one machin
   for f in /tmp/gap.log /tmp/research.log $home/logs/*.log; do
     [ -f "$f" ] && { echo "===== $f"; cat "$f"; }
   done > "$out/run.log"
+  exit 0
+fi
+if [ "$stage" = research-sweep ]; then  # `quantloop run` of a sweep with walk-forward folds
+  # (bench/params/research-h200-sweep.json): one run on a fresh home, `auto` reading the
+  # committed ladder result; its summary, log and MLflow store come back
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+  echo "== wheels installed at $((SECONDS - start)) s"
+  params=$(realpath "${PARAMS:-bench/params/research-h200-sweep.json}") out=$(realpath "$out")
+  home=/tmp/qhome-sweep
+  rm -rf $home && mkdir -p $home/ladder
+  cp bench/results/ladder-h200.json $home/ladder/ladder.json
+  (cd /tmp && timeout "${SWEEP_RUN_TIMEOUT:-240}" python3 -P -m quantloop.cli run \
+    --params "$params" --home $home --summary-json "$out/research-h200-sweep.json" \
+    > /tmp/research-sweep.log 2>&1)
+  echo "== research sweep rc $? at $((SECONDS - start)) s"; tail -40 /tmp/research-sweep.log
+  tar czf "$out/mlflow-h200-sweep.tar.gz" -C $home --exclude='*/trace/*' mlflow.db mlartifacts
+  for f in /tmp/research-sweep.log $home/logs/*.log; do
+    [ -f "$f" ] && { echo "===== $f"; cat "$f"; }
+  done > "$out/research-sweep.log"
   exit 0
 fi
 if [ "$stage" = sweep ]; then  # K models trained as one stack (bench/sweep.py)

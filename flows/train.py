@@ -295,6 +295,22 @@ def _train(stage, config, parent_run_id, site, stack, logger, down, spent) -> Tr
                                       ran_at["site"], plan)  # fmt: skip
         if isinstance(version, Future):  # registered in the background: the caller joins it
             version = None
+    return train_summary(trained, ran_at, run_id, version, spent)
+
+
+def train_summary(
+    trained: list[tuple[Fold, Keyed[TrainResult], dict[Partition, FeatureOutput], int]],
+    ran_at: dict[str, str],
+    run_id: str | None = None,
+    version: ModelVersion | None = None,
+    spent: dict[str, int] | None = None,
+) -> TrainSummary:
+    """The stage's result from its folds' models (oldest first; the last is the one
+    registered) and where training ran ({"site", "worker"}). spent: the bytes copied to
+    each site for it (a stage placed again made copies at more than one); None: the
+    folds' own counts, all at the site it ran at."""
+    if spent is None:
+        spent = {ran_at["site"]: sum(across for *_, across in trained)}
     fold_models = [
         FoldModel(
             index=fold.index,
@@ -378,10 +394,12 @@ def record_lineage(
     outputs: dict[object, FeatureOutput],
     config: TrainConfig,
     fold: Fold,
+    extra: dict | None = None,
 ) -> None:
     """Which feature nodes a model was trained from (its fold's training part), so
     lineage runs both ways, and the fold's window (what it was trained for and tested
-    on; `holdout_fraction` is the intraday cut, None for a fold of whole dates)."""
+    on; `holdout_fraction` is the intraday cut, None for a fold of whole dates). extra:
+    more of how it was made (a stacked model's stack: flows/sweep.py)."""
     record = {
         "model_key": key,
         "model_digest": digest,
@@ -392,6 +410,7 @@ def record_lineage(
         "window": fold.window(),
         "holdout_fraction": fold.holdout_fraction,
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **(extra or {}),
     }
     url = storage.join(root, "lineage", "models", f"{key}.json")
     storage.write_bytes_atomic(url, json.dumps(record, indent=1).encode())
@@ -443,6 +462,7 @@ def _record(
     trained: list[tuple[Fold, Keyed[TrainResult], dict[Partition, FeatureOutput], int]],
     site: str,
     plan: Plan,
+    extra_tags: dict[str, str] | None = None,
 ) -> tuple[str, ModelVersion | Future]:
     """The "train" MLflow child run, with every fold's figures, and the last fold's model
     (trained on the most recent data) as a version in the Model Registry; the version of a
@@ -451,7 +471,8 @@ def _record(
     the registration and the run's end go to a thread: a Future of the version.
 
     The rungs applied and the ladder result they relied on (file, commit, date) are the
-    model's (a cached model keeps those it was trained with); the plan is this run's."""
+    model's (a cached model keeps those it was trained with); the plan is this run's.
+    extra_tags: more tags of the run and the version (a sweep's setting, its check)."""
     last_fold, model, parts, _ = trained[-1]
     result = model.value
     tracking_block = stage.workspace.resolve_tracking()
@@ -473,13 +494,14 @@ def _record(
     run = stack.enter_context(tracking.run(client, experiment, "train", parent=parent_run_id))
     try:
         _record_figures(run, stage, config, outputs, trained, site, plan, digests, validation)
+        run.tags(extra_tags or {})
     except BaseException:
         if not stack.__exit__(*sys.exc_info()):  # the run ends FAILED
             raise
     tags = {**digests, "train_run_id": run.run_id, "research_run_id": parent_run_id,
             "train_config": json.dumps(asdict(config)), "validation": json.dumps(validation),
             "fold_window": window_tag(last_fold), "rungs": ",".join(result.rungs) or "none",
-            "ladder_result": json.dumps(result.ladder_result)}  # fmt: skip
+            "ladder_result": json.dumps(result.ladder_result), **(extra_tags or {})}  # fmt: skip
     example = parts[min(parts)].read()
     source = tracking.source_tags()  # here: the flow run's context is this thread's
 
@@ -560,9 +582,11 @@ def _record_figures(run, stage, config, outputs, trained, site, plan, digests, v
         curve = m.value.loss_curve
         run.series(f"fold{fold.index}.loss", curve,
                    [(i + 1) * config.log_every for i in range(len(curve))])  # fmt: skip
+    # each model's own config and rungs: what `reproduce` trains it with again
     run.json([{"index": fold.index, "window": fold.window(), "model_key": m.key,
                "model_digest": m.value.model_digest, "model_url": m.url,
-               "cache_hit": m.cache_hit, "feature_keys": sorted(o.key for o in p.values())}
+               "cache_hit": m.cache_hit, "feature_keys": sorted(o.key for o in p.values()),
+               "train": asdict(m.value.train_config), "rungs": list(m.value.rungs)}
               for fold, m, p, _ in trained], "folds.json", "folds")  # fmt: skip
     run.file(
         loss_curve_png(stage, model.key, result.loss_curve, config.log_every), "loss_curve.png"

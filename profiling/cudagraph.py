@@ -28,9 +28,11 @@ from quantloop.profiling.streams import Layout
 # thread waits on its copy events and copies beside the step, so a capture that begins
 # while it is mid-batch fails with "operation failed due to a previous error during
 # capture". It is idle at the capture when its batches are quick to make (batch 256:
-# the ladder's runs), not when each takes longer than an eager step (the capture failure
-# of the top rung at batch 4,096, issue 23). "thread_local" checks the capturing thread
-# only: the loader's calls are on its own stream, outside the graph.
+# the ladder's runs), not when each takes longer than an eager step: the top rung at
+# batch 4,096 failed so, the loader thread's own error "operation not permitted when
+# stream is capturing" (bench/results/sweep-h200.md, issue 23), and ran under
+# "thread_local", which checks the capturing thread only: the loader's calls are on its
+# own stream, outside the graph.
 # QUANTLOOP_CAPTURE_ERROR_MODE=global restores PyTorch's default (bench/sweep.py's test).
 CAPTURE_ERROR_MODE = os.environ.get("QUANTLOOP_CAPTURE_ERROR_MODE", "thread_local")
 

@@ -807,7 +807,7 @@ def kernel_breakdown(
         cls = kernel_class(e.get("name", ""), where)
         ms[cls] += e["dur"] / 1e3 / steps
         count[cls] += 1
-        top[e["name"][:90]] = top.get(e["name"][:90], 0.0) + e["dur"] / 1e3 / steps
+        top[e["name"][:240]] = top.get(e["name"][:240], 0.0) + e["dur"] / 1e3 / steps
     wall = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)
     for n, a, b in spans:
         wall[n] = wall.get(n, 0.0) + (b - a) / 1e3 / steps

@@ -4,6 +4,7 @@ to the warm process: tests/test_forkserver.py.)"""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -60,3 +61,47 @@ def test_no_call_outside_a_warm_process_command(monkeypatch):
     assert not overlap.available()
     with pytest.raises(overlap.Unavailable, match="not a command of a warm process"):
         overlap.call("quantloop.tasks.records.registry:export_stored", {})
+
+
+def test_the_environment_is_copied_whole_while_another_thread_changes_it(monkeypatch):
+    """The warm process's child gets this process's environment: copied in one step,
+    while a thread sets and removes a variable (iterating os.environ then can raise
+    KeyError: a removed key's value is read after the keys)."""
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            os.environ["QUANTLOOP_TEST_CHURN"] = "1"
+            os.environ.pop("QUANTLOOP_TEST_CHURN", None)
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        for _ in range(3000):
+            env = overlap.environment()
+            assert env.get("PATH") == os.environ["PATH"]
+    finally:
+        stop.set()
+        thread.join()
+    assert overlap.environment() == dict(os.environ)
+
+
+def test_ending_a_run_removes_no_variable(monkeypatch):
+    """tracking.end_run sets MLflow's switch for its call and never removes it: runs end
+    on background threads, and a removal raced Prefect's read of os.environ (KeyError,
+    a failed research run on this VM)."""
+    from quantloop.tasks.records import tracking
+
+    name = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+    monkeypatch.delenv(name, raising=False)
+    seen = []
+
+    class Client:
+        def set_terminated(self, run_id, status):
+            seen.append((run_id, status, os.environ.get(name)))
+
+    tracking.end_run(Client(), "r1", "FINISHED")
+    assert seen == [("r1", "FINISHED", "true")] and os.environ[name] == "true"
+    monkeypatch.setenv(name, "false")  # a value of the user's own is put back
+    tracking.end_run(Client(), "r2", "FINISHED")
+    assert seen[-1][2] == "true" and os.environ[name] == "false"

@@ -97,6 +97,14 @@ def available() -> bool:
     return SERVER is not None and enabled()
 
 
+def environment() -> dict[str, str]:
+    """os.environ as it is now, copied in one step: iterating it while another thread
+    removes a variable raises KeyError."""
+    data = dict(os.environ._data)  # type: ignore[attr-defined]  # a dict: one C call, atomic
+    return {os.environ.decodekey(k): os.environ.decodevalue(v)  # type: ignore[attr-defined]
+            for k, v in data.items()}  # fmt: skip
+
+
 def call(target: str, kwargs: dict[str, Any]) -> Any:
     """`target(**kwargs)` ("module:function") in a fresh child of this command's warm
     process, with this process's environment, folder, sys.path and standard streams;
@@ -115,7 +123,7 @@ def call(target: str, kwargs: dict[str, Any]) -> Any:
     with sock:
         mask = os.umask(0o022)
         os.umask(mask)
-        request = {"call": target, "kwargs": kwargs, "env": dict(os.environ),
+        request = {"call": target, "kwargs": kwargs, "env": environment(),
                    "cwd": os.getcwd(), "umask": mask, "path": sys.path,
                    "started": time.time()}  # fmt: skip
         data = json.dumps(request).encode() + b"\n"
