@@ -47,6 +47,7 @@ from quantloop.tasks.research.training import (
     TrainResult,
     load_model,
     resolve_device,
+    save_model,
 )
 from quantloop.tasks.runtime import overlap, progress, timeline
 from quantloop.tasks.runtime.sites import stage_site
@@ -226,6 +227,12 @@ def train(
                     raise
                 down.add(exc.site)
                 logger.warning("%s: training is placed again", exc)
+
+
+def save_timed(url: str, result: TrainResult) -> None:
+    """Store a model (flows/sweep.py stores its models with this, at the default site)."""
+    with timeline.phase("train: save model"):
+        save_model(result, url)
 
 
 def _train(stage, config, parent_run_id, site, stack, logger, down, spent) -> TrainSummary:
