@@ -45,6 +45,7 @@ from quantloop.tasks.research.backtest import backtest_kind, node_params
 from quantloop.tasks.research.form import SimForm
 from quantloop.tasks.research.planning import shards
 from quantloop.tasks.research.simulation import SimConfig
+from quantloop.tasks.research.sited import SiteOutputs
 from quantloop.tasks.research.stage import StageParams, plan_features
 from quantloop.tasks.runtime import progress
 from quantloop.tasks.runtime.workspace import Selection, Workspace
@@ -233,12 +234,17 @@ def backtest(
     mv = promotion.resolve_for_use(client, name, version, guarded=tracking_block.registered_model)
     recipe = read_recipe(client, mv, workspace.catalog())
     site = workspace.resolve_site()
-    model_url = storage.join(site.root, "models", f"{recipe.model_key}.pt")
-    if not storage.exists(model_url):
+    # The model where it is stored (the site that trained it), copied here if it is only
+    # at another of the workspace's sites.
+    sited = SiteOutputs(workspace)
+    held = sited.find("model", recipe.model_key, ".pt")
+    if not held:
         raise LookupError(
-            f"{name} version {mv.version}: its model {recipe.model_key[:12]} is not in site "
-            f"{site.name}'s store ({model_url}); backtest on the site that trained it"
+            f"{name} version {mv.version}: its model {recipe.model_key[:12]} is at none of "
+            f"the workspace's sites ({', '.join(s.root for s in sited.sites)}); backtest on "
+            "a workspace with the site that trained it"
         )
+    model_url, _ = sited.bring("model", held[0].url, site, lambda fn, *args: fn(*args))
     run_device = resolve_backtest_device(device, site)
     stage = backtest_stage(recipe, workspace, products, start, end)
     logger.info("backtest of %s version %s (weights %s) on %s", name, mv.version,

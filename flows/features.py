@@ -200,6 +200,8 @@ def features(
     )
     sites = workspace.resolve_sites()
     site = sites[0]  # the default: the run's records and parameters live there
+    if len(sites) > 1:  # `verify` and `nodes --lineage` find every site's store from these
+        workspace.catalog().note_sites((s.name, s.root) for s in sites)
     by_name = {s.name: s for s in sites}
     policy = Policy.parse(workspace.placement, list(by_name))
     params_of, by_digest = param_digests(per_product)

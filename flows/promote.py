@@ -56,6 +56,7 @@ from quantloop.tasks.records.recipe import RESOLVED_PARAMS, read_recipe
 from quantloop.tasks.research.folds import split_fold
 from quantloop.tasks.research.gate import GateConfig, GateResult, paired_gate
 from quantloop.tasks.research.simulation import SimConfig, baseline_signal
+from quantloop.tasks.research.sited import catalog_at, model_copy
 from quantloop.tasks.research.stage import StageParams, feature_outputs, read_outputs
 from quantloop.tasks.research.uncertainty import Sample, window_seconds
 from quantloop.tasks.research.window import (
@@ -122,7 +123,16 @@ def feature_tables(stage: StageParams) -> tuple[dict[Partition, pa.Table], dict[
 
 
 def model_url(run: Run, model_key: str) -> str:
-    url = storage.join(run.data.tags[tracking.STORE_TAG], "models", f"{model_key}.pt")
+    """Where a run's model is stored: a copy its catalog records (the site that trained
+    it first), else in the run's store."""
+    root = run.data.tags[tracking.STORE_TAG]
+    catalog = catalog_at(run.data.tags.get(tracking.CATALOG_TAG, ""))
+    if catalog is not None:
+        try:
+            return model_copy(catalog, model_key, [root])
+        except LookupError as exc:
+            raise LookupError(f"model {model_key[:12]} of run {run.info.run_id}: {exc}") from exc
+    url = storage.join(root, "models", f"{model_key}.pt")
     if not storage.exists(url):
         raise LookupError(f"model {model_key[:12]} of run {run.info.run_id} is not in its "
                           f"store ({url})")  # fmt: skip

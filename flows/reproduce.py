@@ -37,6 +37,7 @@ from quantloop.tasks.records.reproduce import (
 from quantloop.tasks.research.folds import Fold
 from quantloop.tasks.research.planning import feature_kind
 from quantloop.tasks.research.simulation import SimConfig, replay_all, summarize
+from quantloop.tasks.research.sited import catalog_at, model_copy, read_lineage, site_roots
 from quantloop.tasks.research.stage import (
     StageParams,
     feature_outputs,
@@ -111,12 +112,17 @@ def _models(client, research, stages) -> list[Check]:
     })  # fmt: skip
     config = TypeAdapter(TrainConfig).validate_python(params["train"])
     models = recorded_folds(client, stages, stage)
+    root = research.data.tags[tracking.STORE_TAG]
+    catalog = catalog_at(research.data.tags.get(tracking.CATALOG_TAG, ""))
+    # each model where it is: the recorded copy, else another the catalog knows
+    roots = [root] + [r for _, r in site_roots(
+        [(s.name, s.root) for s in stage.workspace.resolve_sites()], catalog)]  # fmt: skip
+    located = {m.key: locate(m, catalog, roots) for m in models}
     try:
         outputs = feature_outputs(stage)
     except LookupError as exc:
         return [Check("model", m.key, f"model fold {m.fold.index}", False, f"input gone: {exc}",
                       m.digest, "") for m in models]  # fmt: skip
-    root = research.data.tags[tracking.STORE_TAG]
     train_run = stages["train"].data
     rungs = [r for r in train_run.tags.get("rungs", "none").split(",")
              if r and r not in ("none", "stacked")]  # fmt: skip
@@ -128,9 +134,14 @@ def _models(client, research, stages) -> list[Check]:
     for m in models:
         parts = training_part(outputs, m.fold)
         label = f"model fold {m.fold.index}"
-        lineage = json.loads(
-            storage.read_bytes(storage.join(root, "lineage", "models", f"{m.key}.json"))
-        )
+        try:  # beside the model, at the site that trained it
+            lineage = (read_lineage(catalog, m.key, roots) if catalog is not None else
+                       json.loads(storage.read_bytes(storage.join(root, "lineage", "models",
+                                                                  f"{m.key}.json"))))  # fmt: skip
+        except (LookupError, OSError) as exc:
+            checks.append(Check("model", m.key, label, False, f"lineage gone: {exc}", m.digest,
+                                ""))  # fmt: skip
+            continue
         if sorted(o.key for o in parts.values()) != lineage["feature_keys"]:
             checks.append(Check("model", m.key, label, False, "inputs changed since (other "
                                 "feature nodes in the catalog's current versions)", m.digest,
@@ -158,8 +169,16 @@ def _models(client, research, stages) -> list[Check]:
                                              own).model_digest  # fmt: skip
 
         check = check_value("model", m.key, f"{label} on {device.type}", m.digest, weights)
-        recorded_device = torch.device(load_model(m.url).device).type
-        if not check.reproduced and recorded_device != device.type:
+        if check.reproduced:
+            checks.append(check)
+            continue
+        try:  # the stored model says where it was trained
+            recorded_device = torch.device(load_model(located[m.key]).device).type
+        except (OSError, ValueError) as exc:
+            checks.append(Check("model", m.key, label, False, f"model gone: {exc}", m.digest,
+                                check.now))  # fmt: skip
+            continue
+        if recorded_device != device.type:
             check = Check("model", m.key, check.label, True,
                           f"trained on {recorded_device}, re-run on {device.type} ({trained_on}): "
                           "weights not compared bit for bit; the simulation below is",
@@ -174,7 +193,7 @@ def _models(client, research, stages) -> list[Check]:
     def markouts() -> str:
         replayed = []
         for m in models:
-            model = load_model(m.url, device=str(resolve_device("auto")))
+            model = load_model(located[m.key], device=str(resolve_device("auto")))
             tables = {p: o.read() for p, o in fold_part(outputs, m.fold).items()}
             replayed.append(replay_all(inference.Predictor(model), tables, sim_config, m.fold))
         merged = pooled(replayed)
@@ -184,6 +203,18 @@ def _models(client, research, stages) -> list[Check]:
                               "simulation (model mark-out)", markout_fingerprint(recorded),
                               markouts))  # fmt: skip
     return checks
+
+
+def locate(m: RecordedFold, catalog, roots: list[str]) -> str:
+    """Where a recorded model is now: its recorded URL if it is there, else another copy
+    the catalog records (at any site), else `<root>/models/<key>.pt` under one of `roots`;
+    the recorded URL when none is (reading it then names it)."""
+    if storage.exists(m.url) or catalog is None:
+        return m.url
+    try:
+        return model_copy(catalog, m.key, roots)
+    except LookupError:
+        return m.url
 
 
 @dataclass(frozen=True, slots=True)

@@ -454,8 +454,9 @@ def sweep_fields(swept) -> dict:
 
 def site_counts(ws, feats, trained, sim, swept=None) -> dict[str, dict]:
     """Per site: the feature nodes' counts, then training's and the replay's seconds there
-    and the bytes they read from other sites (a cached stage adds nothing). A sweep's
-    training: every model it trained (its best setting's replay only)."""
+    and the bytes copied there for them from other sites (a cached stage's seconds add
+    nothing; a copy made for it, of a model to replay, still counts). A sweep's training:
+    every model it trained (its best setting's replay only)."""
     per_hour = {s.name: s.cost_per_hour for s in ws.resolve_sites()}
     sites = {name: SiteCounts(**counts) for name, counts in feats.sites.items()}
     train_s = (
@@ -464,14 +465,20 @@ def site_counts(ws, feats, trained, sim, swept=None) -> dict[str, dict]:
         if not all(f.cache_hit for f in trained.folds) else None
     )  # fmt: skip
     stages = (
-        ("train", trained.site, train_s, trained.bytes_across),
-        ("simulate", sim.site, sim.compute_s, sim.bytes_across),
+        ("train", trained.site, train_s, trained),
+        ("simulate", sim.site, sim.compute_s, sim),
     )  # fmt: skip
-    for stage, name, seconds, across in stages:
+    for stage, name, seconds, summary in stages:
+        # by the site each copy was made at (a stage placed again after a site lost its
+        # workers made some at each); a summary from before had the total only
+        across = dict(summary.bytes_across_at or {name: summary.bytes_across})
         if name and seconds is not None:
             sites.setdefault(name, SiteCounts()).add_stage(
-                stage, seconds, across, per_hour.get(name, 0.0)
+                stage, seconds, across.pop(name, 0), per_hour.get(name, 0.0)
             )
+        for other, n in across.items():
+            if other and n:
+                sites.setdefault(other, SiteCounts()).add_stage(stage, 0.0, n, 0.0)
     return {name: asdict(counts) for name, counts in sites.items()}
 
 
@@ -526,7 +533,7 @@ def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
             fold_table(summary).markdown(),
             "",
             "## Sites",
-            f"Placement `{summary.placement}`: {summary.bytes_across_sites:,} input bytes "
+            f"Placement `{summary.placement}`: {summary.bytes_across_sites:,} bytes "
             f"read across sites, compute cost {summary.cost:.6f}.",
             "",
             site_table(summary).markdown(),

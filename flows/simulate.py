@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel
 
 from quantloop.profiling import inference, replay
-from quantloop.tasks.engine import code_fingerprint, storage
+from quantloop.tasks.engine import NoWorkers, code_fingerprint, storage
 from quantloop.tasks.records import plots, tracking
 from quantloop.tasks.research import folds, simulation, training, uncertainty
 from quantloop.tasks.research.form import SimForm
@@ -29,16 +29,22 @@ from quantloop.tasks.research.simulation import (
     stack_markouts,
     summarize,
 )
+from quantloop.tasks.research.sited import (  # noqa: F401 - CHECK_SUFFIX: where they were
+    CHECK_SUFFIX,
+    SiteOutputs,
+    load_checked,
+    replay_and_store,
+    save_checked,
+)
 from quantloop.tasks.research.stage import (
     StageParams,
     feature_outputs,
     fold_part,
-    keyed_output,
     output_key,
     plan_folds,
 )
 from quantloop.tasks.runtime import progress, timeline
-from quantloop.tasks.runtime.sites import GPU, gpu_client
+from quantloop.tasks.runtime.sites import stage_site
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,11 @@ class SimSummary(BaseModel):
     site: str = ""  # where it replayed (a cached simulation: where this run found it)
     worker: str = ""  # the Dask worker that replayed it ("": the flow's process, or cached)
     compute_s: float | None = None  # the replay's seconds where it ran (None: cached)
-    bytes_across: int = 0  # feature outputs and model bytes read from another site
+    # feature output and model bytes copied to the replay's site from others for it
+    bytes_across: int = 0
+    # the same by the site they were copied to (a GPU site that lost its workers after
+    # copies were made there, then the site the replay was placed at again)
+    bytes_across_at: dict[str, int] = {}
     # stored mark-outs and statistics found damaged (size or sha256) and computed again
     healed_outputs: int = 0
     # per fold, by its index: {window (Fold.window()), trades, baseline_trades, markout_bps
@@ -111,66 +121,24 @@ def simulate(
             f"{len(urls)} model(s) for the {len(planned)} folds of the stage's validation: "
             "give one model per fold, oldest first (the train stage's folds[].model_url)"
         )
-    with contextlib.ExitStack() as stack:
-        # Replayed where training runs: a site whose workers declare a GPU, when there is
-        # one; otherwise here, in the flow's process. It reads the outputs stored there.
-        gpu = gpu_client(stage.workspace.resolve_sites(), stack)
-        outputs = feature_outputs(stage, prefer=(gpu[0] if gpu else site).name)
-        at = gpu[0] if gpu is not None else site
-        plan.close()
-
-        def at_site(fn, *args):
-            if gpu is None:
-                return fn(*args)
-            return gpu[1].submit(fn, *args, resources={GPU: 1}, pure=False).result()
-
-        ran: dict = {"stats": [], "worker": "", "compute_s": None}
-        replayed = []  # (fold, model_url, Keyed, bytes across)
-        for fold, model_url in zip(planned, urls, strict=True):
-            parts = fold_part(outputs, fold)
-            # where it runs decides how it predicts (the fast path on a GPU): part of the key
-            with timeline.phase("simulate: model check"):
-                mode, model_digest = at_site(replay.inference_mode, model_url)
-            key = output_key(
-                "simulation",
-                code=code_fingerprint(simulation, training, inference, folds),
-                config=asdict(config),
-                model=model_url.rsplit("/", 1)[-1],
-                features=sorted(o.key for o in parts.values()),
-                window=fold.window(),
-                # the fast path's predictions differ from the eager ones by its arithmetic
-                inference=mode,
-            )
-
-            def compute(model_url=model_url, parts=parts, fold=fold):
-                if gpu is not None:
-                    logger.info("replaying on site %s (a worker with the GPU resource)",
-                                gpu[0].name)  # fmt: skip
-                t0 = time.perf_counter()
-                merged, stats, ran["worker"] = at_site(
-                    replay.replay_stage, model_url, stage, config, parts, fold
+    sited = SiteOutputs(stage.workspace)  # the outputs at their sites, through the catalog
+    down: set[str] = set()  # GPU sites that lost every worker during this stage
+    spent: dict[str, int] = {}  # bytes copied to each site for the replay, whatever happens
+    while True:
+        with contextlib.ExitStack() as stack:
+            try:
+                replayed, at, ran, mode, model_digest, model_url = _replay(
+                    stage, config, urls, planned, sited, stack, logger, down, spent, plan
                 )
-                ran["stats"].append(stats)
-                ran["compute_s"] = (ran["compute_s"] or 0.0) + time.perf_counter() - t0
-                return merged
-
-            with timeline.phase("simulate: replay"):
-                sim = keyed_output(
-                    site.root, "simulation", key, ".parquet",
-                    load=lambda url: split_markouts(storage.decode_table(load_checked(url))),
-                    compute=compute,
-                    save=lambda url, merged: save_checked(
-                        url, storage.parquet_bytes(stack_markouts(merged))
-                    ),
-                )  # fmt: skip
-            across = 0 if sim.cache_hit else (
-                sum(o.blob.length for o in parts.values() if not at.holds(o.blob.url))
-                + (0 if at.holds(model_url) else storage.size(model_url))
-            )  # fmt: skip
-            if sim.cache_hit:
-                logger.info("fold %d: simulation %s is cached: not replayed", fold.index, key[:12])
-            replayed.append((fold, model_url, sim, across))
-    across = sum(a for *_, a in replayed)
+                break
+            except NoWorkers as exc:
+                # Past the site's no_workers_timeout_s: fail naming it, or (replica) replay
+                # at the next GPU site, else here; folds stored meanwhile stay cached.
+                if stage.workspace.on_unreachable != "replica" or exc.site is None:
+                    raise
+                down.add(exc.site)
+                logger.warning("%s: the replay is placed again", exc)
+    across = sum(spent.values())
     sim_cached = all(sim.cache_hit for _, _, sim, _ in replayed)
     key = output_key("simulations", folds=[sim.key for _, _, sim, _ in replayed])
     merged = pooled([sim.value for _, _, sim, _ in replayed])
@@ -180,18 +148,23 @@ def simulate(
         seconds=sum(x.seconds for x in ran["stats"]),
         warmup_s=sum(x.warmup_s for x in ran["stats"]),
     )
+
     # The statistics of these mark-outs are keyed like the mark-outs themselves (with the
     # estimators' code and the trials): a re-run reads them back instead of importing
-    # arch and matplotlib and recomputing (3-5 s of a cached run here).
+    # arch and matplotlib and recomputing (3-5 s of a cached run here). They are computed
+    # here, in the flow's process: stored at the default site, with the run's records.
+    def compute_statistics(url: str):
+        value = json.loads(to_json(statistics(merged, config, trials, replayed)))
+        return value, *save_checked(url, to_json(value).encode())
+
     with timeline.phase("simulate: statistics"):
-        stats_output = keyed_output(
-            site.root, "statistic",
+        stats_output = sited.keyed(
+            site, "statistic",
             output_key("statistics", code=code_fingerprint(simulation, uncertainty, plots),
                        simulations=key, config=asdict(config), trials=trials),
             ".json",
             load=lambda url: json.loads(load_checked(url)),
-            compute=lambda: json.loads(to_json(statistics(merged, config, trials, replayed))),
-            save=lambda url, value: save_checked(url, to_json(value).encode()),
+            compute=compute_statistics,
         )  # fmt: skip
     figures = stats_output.value
     # stored outputs that failed their check (size, sha256) and were computed again
@@ -216,6 +189,7 @@ def simulate(
         worker=ran["worker"],
         compute_s=ran["compute_s"],
         bytes_across=across,
+        bytes_across_at={name: n for name, n in spent.items() if n},
         healed_outputs=healed,
         per_fold={
             fold.index: fold_row(fold, url, sim, figures["folds"][str(fold.index)])
@@ -233,7 +207,7 @@ def simulate(
         "simulate",
         ("cached: " if sim_cached else "")
         + f"{result.trades:,} model trades, {result.baseline_trades:,} baseline trades "
-        f"on the test windows of {len(replayed)} fold(s) of {len(outputs)} partitions",
+        f"on the test windows of {len(replayed)} fold(s) of {ran['partitions']} partitions",
     )
     if parent_run_id is not None:
         client, experiment = tracking.client_for(stage.workspace.resolve_tracking())
@@ -297,42 +271,68 @@ def simulate(
     return result
 
 
-# Beside each stored mark-out and statistics file: its size and sha256, written before it,
-# so a file without one was stored before outputs had one (see load_checked).
-CHECK_SUFFIX = ".check"  # JSON: {"bytes": size, "sha256": digest}
-
-
-def save_checked(url: str, data: bytes) -> None:
-    """Store an output with its size and sha256 beside it: a later hit is checked against
-    them (a damaged file that still parses, a changed number in a JSON, is not a hit)."""
-    check = {"bytes": len(data), "sha256": storage.sha256_hex(data)}
-    storage.write_bytes_atomic(url + CHECK_SUFFIX, json.dumps(check).encode())
-    storage.write_bytes_atomic(url, data)
-
-
-def load_checked(url: str) -> bytes:
-    """A stored output's bytes, if they have the size and sha256 stored beside them; else
-    ValueError (keyed_output then computes the output again, reason "corrupt"). An output
-    stored before checks were kept is taken once as it is and its check written: the check
-    is written first, so only such an output lacks one."""
-    data = storage.read_bytes(url)
-    try:
-        check = json.loads(storage.read_bytes(url + CHECK_SUFFIX))
-    except FileNotFoundError:
-        log.info("%s has no stored check (stored before checks were kept): its check is "
-                 "written from it as it is", url)  # fmt: skip
-        storage.write_bytes_atomic(
-            url + CHECK_SUFFIX,
-            json.dumps({"bytes": len(data), "sha256": storage.sha256_hex(data)}).encode(),
+def _replay(stage, config, urls, planned, sited, stack, logger, down, spent, plan):
+    """Each fold's simulation, found at any site or replayed where training runs: a site
+    whose workers declare a GPU, when there is one, else here in the flow's process (the
+    default site). What it reads (the model, the feature outputs) is copied there first
+    when it is stored only elsewhere, and counted. NoWorkers when that site loses every
+    worker for longer than its setting."""
+    where = stage_site(stage.workspace.resolve_sites(), stack, down=down, log=logger,
+                       on_unreachable=stage.workspace.on_unreachable)  # fmt: skip
+    at = where.site
+    outputs = feature_outputs(stage, prefer=at.name)
+    plan.close()  # the phase "simulate: plan" (placed again: its time is the replay's)
+    ran: dict = {"stats": [], "worker": "", "compute_s": None, "partitions": len(outputs)}
+    replayed = []  # (fold, model_url, Keyed, bytes across)
+    mode = model_digest = model_url = None
+    for fold, model_url in zip(planned, urls, strict=True):
+        parts = fold_part(outputs, fold)
+        # the model where it replays: a copy is made there if it is stored elsewhere
+        with timeline.phase("simulate: model copy"):
+            local_model, model_copied = sited.bring("model", model_url, at, where.run)
+        spent[at.name] = spent.get(at.name, 0) + model_copied
+        # where it runs decides how it predicts (the fast path on a GPU): part of the key
+        with timeline.phase("simulate: model check"):
+            mode, model_digest = where.run(replay.inference_mode, local_model)
+        key = output_key(
+            "simulation",
+            code=code_fingerprint(simulation, training, inference, folds),
+            config=asdict(config),
+            model=model_url.rsplit("/", 1)[-1],
+            features=sorted(o.key for o in parts.values()),
+            window=fold.window(),
+            # the fast path's predictions differ from the eager ones by its arithmetic
+            inference=mode,
         )
-        return data
-    digest = storage.sha256_hex(data)
-    if (len(data), digest) != (check.get("bytes"), check.get("sha256")):
-        raise ValueError(
-            f"{url}: {len(data):,} bytes with sha256 {digest[:12]}, stored as "
-            f"{check.get('bytes')} bytes with {str(check.get('sha256'))[:12]}: changed or truncated"
-        )
-    return data
+        copied = [0]
+
+        def compute(url, model_url=local_model, parts=parts, fold=fold, copied=copied):
+            if where.remote:
+                logger.info("replaying on site %s (a worker with the GPU resource)", at.name)
+            with timeline.phase("simulate: copy features"):
+                local, copied[0] = sited.bring_features(parts, at, where.run)
+            spent[at.name] = spent.get(at.name, 0) + copied[0]
+            outputs.update(local)  # later folds read the copies
+            t0 = time.perf_counter()
+            # stored at `url`, at the site that replays it
+            merged, stats, ran["worker"], digest, length = where.run(
+                replay_and_store, model_url, stage, config, local, fold, url
+            )
+            ran["stats"].append(stats)
+            ran["compute_s"] = (ran["compute_s"] or 0.0) + time.perf_counter() - t0
+            return merged, digest, length
+
+        with timeline.phase("simulate: replay"):
+            sim = sited.keyed(
+                at, "simulation", key, ".parquet",
+                load=lambda url: split_markouts(storage.decode_table(load_checked(url))),
+                compute=compute,
+            )  # fmt: skip
+        if sim.cache_hit:
+            logger.info("fold %d: simulation %s is cached at site %s: not replayed", fold.index,
+                        key[:12], sim.site)  # fmt: skip
+        replayed.append((fold, model_url, sim, model_copied + copied[0]))
+    return replayed, at, ran, mode, model_digest, model_url
 
 
 def pooled(per_fold: list[dict[str, dict[str, pa.Table]]]) -> dict[str, dict[str, pa.Table]]:

@@ -24,19 +24,19 @@ from quantloop.models import orderbook
 from quantloop.profiling import trainer
 from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.tasks.data.schema import Partition
-from quantloop.tasks.engine import code_fingerprint, sha256_json, storage
+from quantloop.tasks.engine import NoWorkers, code_fingerprint, sha256_json, storage
 from quantloop.tasks.records import plots, registry, tracking
 from quantloop.tasks.records.provenance import code_digest
 from quantloop.tasks.research import folds, training
 from quantloop.tasks.research.folds import Fold
 from quantloop.tasks.research.form import TrainForm
+from quantloop.tasks.research.sited import SiteOutputs, at_front, device_type, fit_and_store
 from quantloop.tasks.research.stage import (
     FeatureOutput,
     Keyed,
     StageParams,
     describe,
     feature_outputs,
-    keyed_output,
     output_key,
     plan_features,
     plan_folds,
@@ -50,7 +50,7 @@ from quantloop.tasks.research.training import (
     save_model,
 )
 from quantloop.tasks.runtime import overlap, progress, timeline
-from quantloop.tasks.runtime.sites import GPU, gpu_client
+from quantloop.tasks.runtime.sites import stage_site
 
 
 class FoldModel(BaseModel):
@@ -66,7 +66,7 @@ class FoldModel(BaseModel):
     samples: int  # training windows
     duration_s: float  # the training loop's seconds when it was trained
     partitions: int  # feature outputs it trained on
-    bytes_across: int = 0  # feature output bytes its training read from another site
+    bytes_across: int = 0  # feature output bytes copied to its training site for it
 
 
 class TrainSummary(BaseModel):
@@ -96,7 +96,11 @@ class TrainSummary(BaseModel):
     ladder_result: dict | None = None  # the ladder result the rungs relied on
     site: str = ""  # the site training ran at (a cached model: where this run found it)
     worker: str = ""  # the Dask worker that trained it ("": the flow's process, or cached)
-    bytes_across: int = 0  # feature output bytes training read from another site
+    # feature output bytes copied to the training site from others for it (all sites)
+    bytes_across: int = 0
+    # the same by the site they were copied to: the site above, and a GPU site that lost
+    # its workers after copies were made there (the stage was then placed again)
+    bytes_across_at: dict[str, int] = {}
 
 
 def model_key(
@@ -183,18 +187,13 @@ def models_missing(stage: StageParams, config: TrainConfig, plan: Plan) -> bool:
             *(planned[c].to_pylist() for c in ("key", "product", "date")), strict=True
         )
     }
-    root = stage.workspace.resolve_site().root
+    sited = SiteOutputs(stage.workspace)  # stored at any site (the catalog's copies)
     for fold in plan_folds(stage):
         key = model_key(config, list(training_part(keys, fold).values()),
                         fold.training_window(), plan.rungs)  # fmt: skip
-        if not storage.exists(storage.join(root, "models", f"{key}.pt")):
+        if not sited.find("model", key, ".pt"):
             return True
     return False
-
-
-def device_type(name: str) -> str:
-    """The device type `name` resolves to where this runs (on a GPU site's worker)."""
-    return resolve_device(name).type
 
 
 @flow(name="train")
@@ -215,63 +214,78 @@ def train(
     """
     logger = get_run_logger()
     site = stage.workspace.resolve_site()
-    with contextlib.ExitStack() as stack:
-        return _train(stage, config, parent_run_id, site, stack, logger)
+    down: set[str] = set()  # GPU sites that lost every worker during this stage
+    spent: dict[str, int] = {}  # bytes copied to each site for training, whatever happens
+    while True:
+        with contextlib.ExitStack() as stack:
+            try:
+                return _train(stage, config, parent_run_id, site, stack, logger, down, spent)
+            except NoWorkers as exc:
+                # Past the site's no_workers_timeout_s: fail naming it, or (replica) train
+                # at the next GPU site, else here; models stored meanwhile stay cached.
+                if stage.workspace.on_unreachable != "replica" or exc.site is None:
+                    raise
+                down.add(exc.site)
+                logger.warning("%s: training is placed again", exc)
 
 
 def save_timed(url: str, result: TrainResult) -> None:
+    """Store a model (flows/sweep.py stores its models with this, at the default site)."""
     with timeline.phase("train: save model"):
         save_model(result, url)
 
 
-def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
+def _train(stage, config, parent_run_id, site, stack, logger, down, spent) -> TrainSummary:
     # Training goes to a site whose Dask workers declare a GPU, when there is one;
-    # otherwise it runs here, in the flow's process. It reads the outputs stored there.
+    # otherwise it runs here, in the flow's process (the default site). It reads the
+    # feature outputs there: those stored only elsewhere are copied there first (counted).
     with timeline.phase("train: plan"):
-        gpu = gpu_client(stage.workspace.resolve_sites(), stack)
-        outputs = feature_outputs(stage, prefer=(gpu[0] if gpu else site).name)
+        where = stage_site(stage.workspace.resolve_sites(), stack, down=down, log=logger,
+                           on_unreachable=stage.workspace.on_unreachable)  # fmt: skip
+        at = where.site
+        sited = SiteOutputs(stage.workspace)
+        outputs = feature_outputs(stage, prefer=at.name)
         planned = plan_folds(stage)
-        device = gpu[1].submit(device_type, config.device, resources={GPU: 1},
-                               pure=False).result() if gpu else None  # fmt: skip
+        device = where.run(device_type, config.device) if where.remote else None
         plan = plan_for(stage, config, device)
     logger.info("training optimizations: %s", plan.record())
-    at = gpu[0] if gpu else site
     ran_at = {"site": at.name, "worker": ""}
     trained: list[tuple[Fold, Keyed[TrainResult], dict[Partition, FeatureOutput], int]] = []
     for fold in planned:
         parts = training_part(outputs, fold)
         key = model_key(config, [o.key for o in parts.values()], fold.training_window(),
                         plan.rungs, device)  # fmt: skip
+        copied = [0]
 
-        def fit_now(parts=parts, fold=fold) -> TrainResult:
-            if gpu is not None:
-                logger.info("training on site %s (a worker with the GPU resource)", gpu[0].name)
-                done = gpu[1].submit(trainer.fit_stage, stage, config, plan, parts, fold,
-                                     resources={GPU: 1}, pure=False)  # fmt: skip
-                result, ran_at["worker"] = done.result()
-            else:
-                result, _ = trainer.fit_stage(stage, config, plan, parts, fold)
-            return result
+        def fit_now(url: str, parts=parts, fold=fold, copied=copied):
+            if where.remote:
+                logger.info("training on site %s (a worker with the GPU resource)", at.name)
+            with timeline.phase("train: copy features"):
+                local, copied[0] = sited.bring_features(parts, at, where.run)
+            spent[at.name] = spent.get(at.name, 0) + copied[0]
+            outputs.update(local)  # later folds read the copies
+            # stored at `url`, at the site that trains it
+            result, worker, digest, length = where.run(fit_and_store, at_front(stage, at),
+                                                       config, plan, local, fold, url)  # fmt: skip
+            ran_at["worker"] = worker
+            return result, digest, length
 
         # load checks the weights against their stored digest
-        model = keyed_output(site.root, "model", key, ".pt", load=load_model, compute=fit_now,
-                             save=save_timed)  # fmt: skip
+        model = sited.keyed(at, "model", key, ".pt", load=load_model, compute=fit_now)
         result = model.value
-        across = (
-            0
-            if model.cache_hit
-            else sum(o.blob.length for o in parts.values() if not at.holds(o.blob.url))
-        )
-        where = f"fold {fold.index} ({describe(fold)})"
+        across = copied[0]
+        where_fold = f"fold {fold.index} ({describe(fold)})"
         if model.cache_hit:
-            message = (f"{where}: model {key[:12]} is cached (weights "
+            message = (f"{where_fold}: model {key[:12]} is cached at site {model.site} (weights "
                        f"{result.model_digest[:12]}): not retrained")  # fmt: skip
         else:
             with timeline.phase("train: lineage"):
-                record_lineage(site.root, key, result.model_digest, parts, config, fold)
+                # beside the model, at the site that trained it
+                record_lineage(at.root, key, result.model_digest, parts, config, fold)
             steady = result.steady_samples_per_s
             message = (
-                f"{where}: trained on {result.samples:,} windows ({result.samples_seen:,} seen) "
+                f"{where_fold}: trained on {result.samples:,} windows "
+                f"({result.samples_seen:,} seen) "
                 f"in {result.duration_s:.1f} s on {result.device}: "
                 f"{result.samples_per_s:,.0f} samples/s"
                 + (f" ({steady:,.0f} after a {result.warmup_s:.1f} s warm-up)" if steady else "")
@@ -288,7 +302,7 @@ def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
                                       ran_at["site"], plan)  # fmt: skip
         if isinstance(version, Future):  # registered in the background: the caller joins it
             version = None
-    return train_summary(trained, ran_at, run_id, version)
+    return train_summary(trained, ran_at, run_id, version, spent)
 
 
 def train_summary(
@@ -296,9 +310,14 @@ def train_summary(
     ran_at: dict[str, str],
     run_id: str | None = None,
     version: ModelVersion | None = None,
+    spent: dict[str, int] | None = None,
 ) -> TrainSummary:
     """The stage's result from its folds' models (oldest first; the last is the one
-    registered) and where training ran ({"site", "worker"})."""
+    registered) and where training ran ({"site", "worker"}). spent: the bytes copied to
+    each site for it (a stage placed again made copies at more than one); None: the
+    folds' own counts, all at the site it ran at."""
+    if spent is None:
+        spent = {ran_at["site"]: sum(across for *_, across in trained)}
     fold_models = [
         FoldModel(
             index=fold.index,
@@ -340,7 +359,8 @@ def train_summary(
         ladder_result=result.ladder_result,
         site=ran_at["site"],
         worker=ran_at["worker"],
-        bytes_across=sum(f.bytes_across for f in fold_models),
+        bytes_across=sum(spent.values()),
+        bytes_across_at={name: n for name, n in spent.items() if n},
     )
 
 

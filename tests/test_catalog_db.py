@@ -10,7 +10,7 @@ import sqlite3
 import pytest
 
 from quantloop.tasks.data import catalog_db
-from quantloop.tasks.data.catalog import Catalog
+from quantloop.tasks.data.catalog import Catalog, OutputCopy
 from quantloop.tasks.data.schema import Partition
 from tests.books import random_book
 
@@ -169,6 +169,16 @@ def exercise(catalog: Catalog, root: str) -> dict:
     blobs = catalog.blobs([e.digest for e in entries] + [out["changed"][1]])
     out["blobs"] = {k: dataclasses.astuple(v) for k, v in blobs.items()}
     out["datasets"] = sorted(catalog.datasets())
+    # stage outputs at sites: a model trained at B, copied to A for a reader there
+    made = OutputCopy("B", "s3://b/models/k.pt", "d" * 64, 10, "B")
+    catalog.record_output("model", "k", made)
+    catalog.record_output("model", "k", made._replace(site="A", url=f"{root}/models/k.pt"))
+    catalog.record_output("model", "k", made)  # again: still one row per copy
+    out["outputs"] = [tuple(c) for c in catalog.output_copies("model", "k")]
+    catalog.drop_output("model", "k", made.url)
+    out["outputs_left"] = [(kind, key, tuple(c)) for kind, key, c in catalog.outputs()]
+    catalog.note_sites([("A", root), ("B", "s3://b"), ("A", root)])
+    out["site_roots"] = catalog.site_roots()
     return out
 
 
@@ -186,6 +196,10 @@ def test_the_catalog_on_postgresql_answers_as_on_sqlite(postgres_db, tmp_path):
         assert on_postgres[key] == on_sqlite[key], key
     assert on_sqlite["land"] == ["new"] * 8 and on_sqlite["changed"][0] == "changed"
     assert on_sqlite["packed_again"] == {"new": 0, "unchanged": 8, "changed": 0}
+    # the copy at the site that computed it first, then the others
+    assert [(c[0], c[4]) for c in on_sqlite["outputs"]] == [("B", "B"), ("A", "B")]
+    assert [c[2][0] for c in on_sqlite["outputs_left"]] == ["A"]
+    assert on_sqlite["site_roots"] == [("A", root), ("B", "s3://b")]
     with psycopg2.connect(postgres_db) as conn, conn.cursor() as cur:
         cur.execute("SELECT version FROM schema_version ORDER BY 1")
         assert [r[0] for r in cur.fetchall()] == [v for v, _ in catalog_db.MIGRATIONS]

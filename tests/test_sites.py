@@ -159,22 +159,53 @@ def test_each_node_runs_at_the_site_holding_its_input(prefect_api, two_sites, tm
     assert trained.site == "B" and trained.worker in gpu_workers and not trained.cache_hit
     trained_one = train(stage_of(one), TINY)
     assert trained.model_digest == trained_one.model_digest
+    # The model is stored at B, which trained it, and the catalog says so.
+    catalog = ws.catalog()
+    [copy] = catalog.output_copies("model", trained.model_key)
+    assert (copy.site, copy.url, copy.origin) == ("B", trained.model_url, "B")
+    assert ws.sites[0].holds(trained.model_url) and copy.length == storage.size(copy.url)
     # What training at B read from A (A's products' features on the fold's training date:
-    # nothing of the test date is read) is counted, to the byte.
+    # nothing of the test date is read) was copied to B first and counted, to the byte.
     at_a = sum(r["output_length"] for r in rows if r["product"] in AT_A)
     at_a_train = sum(r["output_length"] for r in rows
                      if r["product"] in AT_A and r["date"] == DATES[0].isoformat())  # fmt: skip
     assert trained.bytes_across == at_a_train > 0 and trained_one.bytes_across == 0
+    assert trained.bytes_across_at == {"B": at_a_train}
 
     # Simulation replays at B too, next to training; the same mark-outs as one site's. It
-    # reads the fold's training date (for the thresholds) and its test date: both of A's.
+    # reads the fold's training date (for the thresholds: B has copies now) and its test
+    # date: A's outputs of that date are copied; the model is B's own.
     sim = simulate(trained.model_url, stage_of(ws))
     assert (sim.site, sim.cache_hit) == ("B", False) and sim.worker in gpu_workers
-    model_bytes = storage.size(trained.model_url)  # stored at the default site, A
-    assert sim.bytes_across == at_a + model_bytes and sim.compute_s > 0
+    assert sim.bytes_across == at_a - at_a_train and sim.compute_s > 0
     sim_one = simulate(trained_one.model_url, stage_of(one))
     assert (sim_one.site, sim_one.worker, sim_one.bytes_across) == ("local", "", 0)
     assert sim.markout_bps == sim_one.markout_bps and sim.trades == sim_one.trades > 0
+    # Every feature output now has a copy at B, each indexed there and whole; the
+    # simulation is stored at B, its statistics (the flow's) at A.
+    at_b = feature_outputs(stage_of(ws), prefer="B")
+    assert all(ws.sites[0].holds(o.blob.url) and o.site == "B" for o in at_b.values())
+    assert {p: o.blob.digest for p, o in at_b.items()} == {
+        p: o.blob.digest for p, o in found.items()}  # fmt: skip
+    assert all(o.read().num_rows > 0 for o in at_b.values())  # read back and checked
+    sims = catalog.outputs("simulation")
+    assert [(c.site, c.origin) for _, _, c in sims] == [("B", "B")]
+    assert ws.sites[0].holds(sims[0][2].url)
+    assert [c.site for _, _, c in catalog.outputs("statistic")] == ["A"]
+
+    # Replayed at A (B declares no GPU now): the cached simulation at B is found, and the
+    # model, which the replay's check reads where it replays, is copied from B to A once,
+    # recorded with its origin, and counted at A.
+    no_gpu = ws.model_copy(update={"sites": [ws.sites[0].model_copy(update={"gpus": 0})]})
+    elsewhere = simulate(trained.model_url, stage_of(no_gpu))
+    model_bytes = storage.size(trained.model_url)
+    assert (elsewhere.site, elsewhere.cache_hit) == ("A", True)
+    assert (elsewhere.bytes_across, elsewhere.bytes_across_at) == (model_bytes, {"A": model_bytes})
+    assert elsewhere.markout_bps == sim.markout_bps
+    copies = {c.site: c for c in catalog.output_copies("model", trained.model_key)}
+    assert (copies["A"].origin, copies["A"].digest) == ("B", copies["B"].digest)
+    assert ws.site.holds(copies["A"].url)
+    assert simulate(trained.model_url, stage_of(no_gpu)).bytes_across == 0  # the copy is there
 
 
 @pytest.mark.slow
@@ -337,6 +368,186 @@ def test_a_site_whose_workers_are_all_gone_fails_naming_it_or_its_nodes_run_at_a
     land_synthetic(one.catalog(), one.resolve_site().root, AT_A + AT_B, DATES, SYNTHETIC)
     alone = {(r["key"], r["output_digest"]) for r in rows_of(features(stage_of(one)))}
     assert {(r["key"], r["output_digest"]) for r in rows} == alone and len(alone) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_gpu_site_whose_workers_are_all_gone_fails_naming_it_or_its_stages_move(
+    prefect_api, clusters, tmp_path
+):
+    """Site B declares a GPU (its own scheduler and a worker with GPU=1) and holds no data:
+    training and the replay go there, reading copies of A's feature outputs made there
+    first. B loses every worker and its nanny as its scheduler hands out the training (the
+    replay). After B's no_workers_timeout_s the wait ends: the train flow fails naming B,
+    or with on_unreachable "replica" training (the replay) runs in the flow's process,
+    which is site A; the bytes copied to B before it was lost still count at B, and the
+    model and mark-outs are a one-site run's."""
+    from distributed import Client
+
+    from quantloop.tasks.research.sited import SiteOutputs
+
+    limit = 3.0
+    a = Site(name="A", scheduler_address=clusters["A"], storage_root=str(tmp_path / "a"),
+             cost_per_hour=1.0, connect_timeout_s=5)  # fmt: skip
+    b = Site(name="B", storage_root=str(tmp_path / "b"), gpus=1, connect_timeout_s=5,
+             no_workers_timeout_s=limit)  # fmt: skip
+    ws = Workspace(home=str(tmp_path / "home"), site=a, sites=[b])
+    land_synthetic(ws.catalog(), a.root, AT_A, DATES, SYNTHETIC, site="A")
+    rows = rows_of(features(stage_of(ws)))  # every input is at A: every node ran there
+    assert {r["site"] for r in rows} == {"A"}
+    at_a_train = sum(r["output_length"] for r in rows if r["date"] == DATES[0].isoformat())
+
+    def losing_b(folder: str, prefix: str, run, **update):
+        """run(stage) with B (a fresh cluster and store) killed as it is given the first
+        task of `prefix`; (summary or error, seconds from the kill to the run's end)."""
+        with servers.dask_site(tmp_path / folder, resources="GPU=1") as address, \
+                Client(address, timeout="10s") as client:  # fmt: skip
+            store = str(tmp_path / folder / "b")
+            b_here = b.model_copy(update={"scheduler_address": address, "storage_root": store})
+            on_b = ws.model_copy(update={"sites": [b_here]})
+            client.register_plugin(servers.KillSiteGiven(prefix))
+            try:
+                outcome = run(stage_of(on_b, **update))
+            except Exception as exc:  # noqa: BLE001 - checked by the caller
+                outcome = exc
+            end = time.time()
+            at = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[
+                "kill-site-given"].at)  # fmt: skip
+            assert at and not client.nthreads()  # killed mid-run, and none came back
+            return outcome, end - at
+
+    failed, lag = losing_b("b1", "fit_and_store", lambda stage: train(stage, TINY))
+    assert isinstance(failed, NoWorkers) and failed.site == "B"
+    assert re.search(r"site 'B': its Dask scheduler had no workers with the GPU resource for "
+                     r"\d.* with fit_and_store in flight", str(failed))  # fmt: skip
+    assert limit < lag < limit + 3.0, lag
+    print(f"train, fail: {lag:.2f} s from the kill to the flow's end (limit {limit} s)")
+
+    trained, lag = losing_b("b2", "fit_and_store", lambda stage: train(stage, TINY),
+                            on_unreachable="replica")  # fmt: skip
+    assert not isinstance(trained, Exception), trained
+    assert limit < lag < limit + 15, lag  # the wait, then the model trained here
+    print(f"train, replica: {lag:.2f} s from the kill to the flow's end (limit {limit} s)")
+    # Trained in the flow's process (site A), stored at A; the copies made at B for it
+    # before B was lost count at B.
+    assert (trained.site, trained.worker, trained.cache_hit) == ("A", "", False)
+    assert a.holds(trained.model_url)
+    assert trained.bytes_across_at == {"B": at_a_train} and at_a_train > 0
+    [copy] = SiteOutputs(ws).catalog.output_copies("model", trained.model_key)
+    assert (copy.site, copy.origin) == ("A", "A")
+
+    sim, lag = losing_b("b3", "replay_and_store",
+                        lambda stage: simulate(trained.model_url, stage),
+                        on_unreachable="replica")  # fmt: skip
+    assert not isinstance(sim, Exception), sim
+    assert limit < lag < limit + 15, lag
+    print(f"simulate, replica: {lag:.2f} s from the kill to the flow's end (limit {limit} s)")
+    # Replayed here; B had been given copies of the model and of every feature output.
+    model_bytes = storage.size(trained.model_url)
+    at_a = sum(r["output_length"] for r in rows)
+    assert (sim.site, sim.worker, sim.cache_hit) == ("A", "", False)
+    assert sim.bytes_across_at == {"B": model_bytes + at_a}
+
+    # The model and the mark-outs are those of a run on one site (A's cluster, another
+    # store and catalog), without the fault.
+    one = Workspace(
+        home=str(tmp_path / "one"),
+        site=a.model_copy(update={"storage_root": str(tmp_path / "one-a")}),
+    )
+    land_synthetic(one.catalog(), one.resolve_site().root, AT_A, DATES, SYNTHETIC, site="A")
+    features(stage_of(one))
+    alone = train(stage_of(one), TINY)
+    assert trained.model_digest == alone.model_digest
+    sim_alone = simulate(alone.model_url, stage_of(one))
+    assert sim.markout_bps == sim_alone.markout_bps and sim.trades == sim_alone.trades > 0
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_research_run_on_two_sites_is_followed_verified_and_reproduced_where_its_outputs_are(
+    prefect_api, clusters, s3_endpoint, tmp_path
+):
+    """A research run whose data lands at A (a folder) and whose model is trained and
+    replayed at B (S3, a worker with GPU=1): the model and the simulation are stored at
+    B and recorded with it; `nodes --lineage` finds a feature output at A and its copy at
+    B, and the model B trained from it; `reproduce` re-runs everything from where each
+    output is, with no failure; `verify` checks every site and finds a damaged model
+    and a damaged feature copy at B, names them, and forgets them."""
+    import dataclasses
+    import json
+
+    from typer.testing import CliRunner
+
+    from quantloop.cli import app
+    from quantloop.flows.reproduce import reproduce
+    from quantloop.flows.research import ResearchParams, research
+
+    bucket = f"site-b-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
+    a = Site(name="A", scheduler_address=clusters["A"], storage_root=str(tmp_path / "a"),
+             cost_per_hour=1.0, connect_timeout_s=5)  # fmt: skip
+    b = Site(name="B", scheduler_address=clusters["B"], storage_root=f"s3://{bucket}/store",
+             cost_per_hour=3.0, gpus=1, connect_timeout_s=5)  # fmt: skip
+    home = str(tmp_path / "home")
+    ws = Workspace(home=home, site=a, sites=[b])
+    params = ResearchParams.model_validate({
+        "workspace": ws.model_dump(mode="json"),
+        "data": {"products": AT_A, "n_dates": 2, "start_date": DATES[0].isoformat(),
+                 "synthetic": dataclasses.asdict(SYNTHETIC)},
+        "train": {"window": 8, "stride": 2, "batch_size": 64, "steps": 10, "log_every": 5,
+                  "device": "cpu", "optimizations": "none"},
+        "validation": {"folds": 1},
+    })  # fmt: skip
+    summary = research(params)
+    assert b.holds(summary.model_url) and summary.sites["B"]["train_bytes_across"] > 0
+    catalog = ws.catalog()
+    model_key = summary.model_url.rsplit("/", 1)[-1].removesuffix(".pt")
+    [model] = catalog.output_copies("model", model_key)
+    assert (model.site, model.origin) == ("B", "B")
+    assert [c.site for _, _, c in catalog.outputs("simulation")] == ["B"]
+    assert {name for name, _ in catalog.site_roots()} == {"A", "B"}
+
+    # A feature output of the training date: computed at A, copied to B for training.
+    runner = CliRunner(env={"COLUMNS": "400"})
+    run = ["--home", home, "--run", summary.mlflow_run_id]
+    out = runner.invoke(app, ["nodes", *run, "--json", "--limit", "10"])
+    assert out.exit_code == 0, out.output
+    row = next(r for r in json.loads(out.output) if r["date"] == DATES[0].isoformat())
+    out = runner.invoke(app, ["nodes", *run, "--lineage", row["key"][:20]])
+    assert out.exit_code == 0, out.output
+    lineage = json.loads(out.output)
+    assert lineage["output"]["site"] == "A" and a.holds(lineage["output"]["url"])
+    assert [s["site"] for s in lineage["stored_at"]] == ["A", "B"]
+    assert b.holds(lineage["stored_at"][1]["url"])
+    [used] = lineage["used_by_models"]
+    assert (used["model_digest"], used["trained_at"]) == (summary.model_digest, "B")
+    assert [c["site"] for c in used["stored_at"]] == ["B"]
+
+    # Reproduced from where each output is (the model's lineage is at B): no failure.
+    reproduced = reproduce(summary.mlflow_run_id, sample=None, workspace=ws)
+    assert reproduced["failures"] == 0 and reproduced["nodes"] == 4 + 2, reproduced
+
+    # Damage at B: the model, and the copy of that feature output. verify, given the home
+    # only (whose own site is neither A nor B), checks both sites the catalog knows,
+    # names them, and forgets them.
+    storage.write_bytes_atomic(model.url, storage.read_bytes(model.url)[:100])
+    copy = lineage["stored_at"][1]
+    data = bytearray(storage.read_bytes(copy["url"]))
+    data[copy["offset"] + 10] ^= 0xFF
+    storage.write_bytes_atomic(copy["url"], bytes(data))
+    report = tmp_path / "verify.json"
+    out = runner.invoke(app, ["verify", "--home", home, "--summary-json", str(report)])
+    assert out.exit_code == 1, out.output
+    found = json.loads(report.read_text())
+    assert found["outputs_damaged"] == {row["key"]: "corrupt"}
+    assert found["sites"]["B"]["outputs_damaged"] == 1 and found["sites"]["A"][
+        "outputs_damaged"] == 0  # fmt: skip
+    [bad] = found["models_damaged"]
+    assert bad.startswith(f"{model.url}: model at site B: corrupt")
+    assert catalog.output_copies("model", model_key) == [] and used["model_key"] == model_key
+    assert not storage.exists(model.url)
+    out = runner.invoke(app, ["verify", "--home", home])
+    assert out.exit_code == 0, out.output
 
 
 def test_a_replica_whose_source_bytes_are_bad_is_not_recorded(tmp_path):

@@ -73,10 +73,12 @@ def nodes(
 
     from quantloop.tasks.data.catalog import Catalog
     from quantloop.tasks.records import manifest, runs, tracking
+    from quantloop.tasks.research.sited import site_roots
     from quantloop.tasks.runtime.workspace import Workspace
 
     ws = Workspace(home=home, site=site)
     run_url = None
+    sites: list[tuple[str, str]] = []  # (site, root): where --lineage looks, the default first
     if run is not None:
         records = records_workspace(home, tracking_uri)  # a missing store, a refusal: one line
         try:
@@ -86,6 +88,7 @@ def nodes(
             root = research.data.tags[tracking.STORE_TAG]
             catalog = Catalog(research.data.tags[tracking.CATALOG_TAG])
             run_url = features_run.data.tags[tracking.MANIFEST_TAG]
+            sites = [(research.data.tags.get("site", ""), root)]
         except (LookupError, KeyError) as exc:
             if code := refused(exc):
                 fail(
@@ -99,10 +102,13 @@ def nodes(
                 raise
             fail(refusal_line(code, records.resolve_tracking().resolved_uri(), home, "researcher"))
     else:
-        root, catalog = ws.resolve_site().root, ws.catalog()
+        default = ws.resolve_site()
+        root, catalog = default.root, ws.catalog()
+        sites = [(default.name, root)]
     if lineage is not None:
         try:
-            found = manifest.lineage(root, catalog, lineage, kind)
+            # every site the catalog has seen a run use: each output where it is
+            found = manifest.lineage(site_roots(sites, catalog), catalog, lineage, kind)
         except LookupError as exc:
             fail(f"--lineage {lineage}: {exc}")
         typer.echo(json.dumps(found, indent=2, default=str))

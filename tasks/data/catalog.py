@@ -78,6 +78,23 @@ class Entry(NamedTuple):
         return storage.Blob(self.location, self.offset, self.length, self.digest)
 
 
+class OutputCopy(NamedTuple):
+    """Where a copy of a stage output (a model, a simulation's mark-outs, its statistics)
+    is: the site holding it, its URL, the sha256 and length of its bytes, and the site
+    that computed it (`origin`: the same site for the output itself, another for a copy
+    made for a reader there)."""
+
+    site: str
+    url: str
+    digest: str
+    length: int
+    origin: str
+
+    @property
+    def blob(self) -> storage.Blob:
+        return storage.Blob(self.url, 0, self.length, self.digest)
+
+
 @dataclass(frozen=True, slots=True)
 class Landed:
     entry: Entry
@@ -310,6 +327,62 @@ class Catalog:
                 (dataset, partition.product, partition.date.isoformat(), blob.digest, site,
                  blob.url, blob.offset, blob.length, now),
             )  # fmt: skip
+
+    # ---------------------------------------------------------------- stage outputs
+
+    def record_output(self, kind: str, key: str, copy: OutputCopy) -> None:
+        """Record a stage output's copy at a site (after its bytes are whole there)."""
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        with self._connect() as db:
+            db.execute(
+                "INSERT INTO outputs VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (kind, key, url)"
+                " DO UPDATE SET site = excluded.site, digest = excluded.digest,"
+                " length = excluded.length, origin = excluded.origin,"
+                " written_at = excluded.written_at",
+                (kind, key, copy.site, copy.url, copy.digest, copy.length, copy.origin, now),
+            )
+
+    def output_copies(self, kind: str, key: str) -> list[OutputCopy]:
+        """Every recorded copy of a stage output (at any site, under any root), those at
+        the site that computed it first."""
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT site, url, digest, length, origin FROM outputs"
+                " WHERE kind = ? AND key = ? ORDER BY site != origin, site",
+                (kind, key),
+            ).fetchall()
+        return [OutputCopy(*r) for r in rows]
+
+    def outputs(self, kind: str | None = None) -> list[tuple[str, str, OutputCopy]]:
+        """(kind, key, copy) of every recorded stage output copy, of one kind or all."""
+        query = "SELECT kind, key, site, url, digest, length, origin FROM outputs"
+        with self._connect() as db:
+            rows = (db.execute(query + " WHERE kind = ? ORDER BY 1, 2, 3", (kind,)) if kind
+                    else db.execute(query + " ORDER BY 1, 2, 3")).fetchall()  # fmt: skip
+        return [(r[0], r[1], OutputCopy(*r[2:])) for r in rows]
+
+    def drop_output(self, kind: str, key: str, url: str) -> None:
+        """Forget a copy (its bytes were found damaged, or gone)."""
+        with self._connect() as db:
+            db.execute("DELETE FROM outputs WHERE kind = ? AND key = ? AND url = ?",
+                       (kind, key, url))  # fmt: skip
+
+    def note_sites(self, roots: Iterable[tuple[str, str]]) -> None:
+        """Record (site name, storage root) pairs a workspace uses, so commands that are
+        given only the catalog (verify, nodes --lineage) find every site's store."""
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        with self._connect() as db:
+            db.executemany(
+                "INSERT INTO site_roots VALUES (?,?,?) ON CONFLICT (site, root)"
+                " DO UPDATE SET seen_at = excluded.seen_at",
+                [(name, root, now) for name, root in roots],
+            )
+
+    def site_roots(self) -> list[tuple[str, str]]:
+        """Every (site name, storage root) pair a run recorded, by site then root."""
+        with self._connect() as db:
+            return [tuple(r) for r in db.execute(
+                "SELECT site, root FROM site_roots ORDER BY site, root").fetchall()]  # fmt: skip
 
     # ---------------------------------------------------------------- pinned versions
 

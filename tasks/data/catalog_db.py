@@ -94,7 +94,32 @@ _V2 = [
 )""",
 ]
 
-MIGRATIONS: list[tuple[int, list[str]]] = [(1, _V1), (2, _V2)]
+# Version 3: stage outputs (models, simulations, statistics) at the sites that hold them,
+# a row per copy: where it is, the sha256 and size of its bytes, and the site that computed
+# it (`origin`; another site for a copy made for a reader there). And the storage roots
+# the workspaces' sites had, so `verify` and `nodes --lineage` find every site's store
+# from the catalog alone.
+_V3 = [
+    """CREATE TABLE IF NOT EXISTS outputs (
+    kind TEXT NOT NULL,
+    key TEXT NOT NULL,
+    site TEXT NOT NULL,
+    url TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    length INTEGER NOT NULL,
+    origin TEXT NOT NULL,
+    written_at TEXT NOT NULL,
+    PRIMARY KEY (kind, key, url)
+)""",
+    """CREATE TABLE IF NOT EXISTS site_roots (
+    site TEXT NOT NULL,
+    root TEXT NOT NULL,
+    seen_at TEXT NOT NULL,
+    PRIMARY KEY (site, root)
+)""",
+]
+
+MIGRATIONS: list[tuple[int, list[str]]] = [(1, _V1), (2, _V2), (3, _V3)]
 LATEST = MIGRATIONS[-1][0]
 
 _VERSION_TABLE = (

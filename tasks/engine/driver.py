@@ -237,8 +237,9 @@ class NoWorkers(ConnectionError):
     in flight. `finished`: the manifest rows of the nodes done (cache hits, batches that
     finished: stored and indexed); `pending`: the plan rows not run (set by run_nodes)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, site: str | None = None):
         super().__init__(message)
+        self.site = site  # the site's name
         self.finished: pa.Table | None = None
         self.pending: pa.Table | None = None
 
@@ -331,7 +332,8 @@ class _Batches:
                 raise NoWorkers(
                     f"site {self.site!r}: its Dask scheduler had no workers for "
                     f"{now - since:.1f} s (no_workers_timeout_s {limit:g}) with "
-                    f"{len(self._running)} batches of {self.kind.name} nodes in flight"
+                    f"{len(self._running)} batches of {self.kind.name} nodes in flight",
+                    self.site,
                 )
 
     def in_order(self, finished: list[pa.Table]) -> list[pa.Table]:

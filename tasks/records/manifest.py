@@ -118,16 +118,40 @@ def select(
     return mask
 
 
-def lineage(root: str, catalog: Catalog, key: str, kind: str = "features") -> dict[str, Any]:
-    """Everything a node came from and what was built from it, by key or key prefix."""
-    found = NodeStore(root).find(kind, key)
-    if found.num_rows == 0:
-        raise LookupError(f"no committed {kind} node has a key starting with {key!r}")
-    if found.num_rows > 1:
-        raise LookupError(f"key prefix {key!r} matches {found.num_rows} nodes; give more of it")
-    row = found.to_pylist()[0]
-    params_url = storage.join(root, "params", f"{row['params']}.json")
-    params = json.loads(storage.read_bytes(params_url)) if storage.exists(params_url) else None
+def lineage(
+    roots: str | list[tuple[str, str]], catalog: Catalog, key: str, kind: str = "features"
+) -> dict[str, Any]:
+    """Everything a node came from and what was built from it, by key or key prefix,
+    followed to every site: `roots` are (site, storage root) pairs (the default first; one
+    root alone: that store only). The output is its first copy (the one written first:
+    where it was computed); `stored_at` lists every site holding a copy; `used_by_models`
+    the models trained from it, whichever site trained them."""
+    pairs = [("", roots)] if isinstance(roots, str) else list(roots)
+    found: list[tuple[str, str, dict]] = []  # (site, root, index row)
+    unreachable = []
+    for site, root in pairs:
+        try:
+            rows = NodeStore(root).find(kind, key)
+        except OSError as exc:  # a site's store that does not answer: named, passed over
+            unreachable.append(f"{site} ({root}): {type(exc).__name__}: {exc}")
+            continue
+        found += [(site, root, r) for r in rows.to_pylist()]
+    keys = {r["key"] for _, _, r in found}
+    if not keys:
+        where = ", ".join(root for _, root in pairs)
+        raise LookupError(f"no committed {kind} node has a key starting with {key!r} at "
+                          f"{where}" + (f" (not answering: {'; '.join(unreachable)})"
+                                        if unreachable else ""))  # fmt: skip
+    if len(keys) > 1:
+        raise LookupError(f"key prefix {key!r} matches {len(keys)} nodes; give more of it")
+    found.sort(key=lambda f: f[2]["written_at"])
+    site, root, row = found[0]
+    params = None
+    for _, at in [(site, root), *pairs]:
+        params_url = storage.join(at, "params", f"{row['params']}.json")
+        if storage.exists(params_url):
+            params = json.loads(storage.read_bytes(params_url))
+            break
     inputs = [
         {
             "dataset": e.dataset,
@@ -146,11 +170,23 @@ def lineage(root: str, catalog: Catalog, key: str, kind: str = "features") -> di
             f"{row['inputs'][:16]} in the catalog at {catalog.path} (another catalog, or "
             "the version was replaced): give --run, or the workspace that ran it"
         )
-    models = []
-    for url in storage.list_files(storage.join(root, "lineage", "models"), ".json"):
-        record = json.loads(storage.read_bytes(url))
-        if row["key"] in record.get("feature_keys", []):
-            models.append({k: record[k] for k in ("model_key", "model_digest", "created_at")})
+    models: dict[str, dict] = {}
+    for at_site, at in pairs:
+        try:
+            urls = storage.list_files(storage.join(at, "lineage", "models"), ".json")
+        except OSError:
+            continue
+        for url in urls:
+            record = json.loads(storage.read_bytes(url))
+            if row["key"] in record.get("feature_keys", []):
+                model = models.setdefault(record["model_key"], {
+                    k: record[k] for k in ("model_key", "model_digest", "created_at")})  # fmt: skip
+                model["trained_at"] = model.get("trained_at") or at_site
+    for model in models.values():  # where each model is stored now (the catalog's copies)
+        copies = catalog.output_copies("model", model["model_key"])
+        model["stored_at"] = [{"site": c.site, "url": c.url, "origin": c.origin} for c in copies]
+    stored_at = [{"site": s, "url": r["output_url"], "offset": r["output_offset"],
+                  "written_at": r["written_at"]} for s, _, r in found]  # fmt: skip
     return {
         "key": row["key"],
         "kind": row["kind"],
@@ -161,6 +197,7 @@ def lineage(root: str, catalog: Catalog, key: str, kind: str = "features") -> di
         "input_digest": row["inputs"],
         "inputs": inputs,
         "output": {
+            "site": site,
             "digest": row["output_digest"],
             "url": row["output_url"],
             "offset": row["output_offset"],
@@ -168,5 +205,8 @@ def lineage(root: str, catalog: Catalog, key: str, kind: str = "features") -> di
             "rows": row["rows"],
         },
         "written_at": row["written_at"],
-        "used_by_models": models,
+        # every copy: where it was computed (first), then those made for readers elsewhere
+        "stored_at": stored_at,
+        "used_by_models": list(models.values()),
+        **({"not_answering": unreachable} if unreachable else {}),
     }

@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from quantloop.tasks.records.tracking import PARENT_TAG, STORE_TAG
+from quantloop.tasks.records.tracking import CATALOG_TAG, PARENT_TAG, STORE_TAG
 
 if TYPE_CHECKING:  # imported where used: this module imports no MLflow, Arrow or store
     import pyarrow as pa
@@ -66,6 +66,7 @@ def model_lineage(client: MlflowClient, run: Run) -> dict:
     """The lineage record (flows/train.py record_lineage) of the model a research (or
     retrain) run registered, from the run's store; LookupError naming what is missing."""
     from quantloop.tasks.engine import storage
+    from quantloop.tasks.research import sited
 
     name, number = run.data.tags.get("registered_model"), run.data.tags.get("model_version")
     if not name or not number:
@@ -74,11 +75,16 @@ def model_lineage(client: MlflowClient, run: Run) -> dict:
         key = client.get_model_version(name, number).tags.get("model_key", "")
     except Exception as exc:  # MLflow's RESOURCE_DOES_NOT_EXIST: the version was deleted
         raise LookupError(f"{name} version {number} is not at {client.tracking_uri}") from exc
-    url = storage.join(run.data.tags.get(STORE_TAG, ""), "lineage", "models", f"{key}.json")
+    root = run.data.tags.get(STORE_TAG, "")
+    url = storage.join(root, "lineage", "models", f"{key}.json")
     try:
+        # beside the model, at the site that trained it (the run's catalog says where)
+        catalog = sited.catalog_at(run.data.tags.get(CATALOG_TAG, ""))
+        if catalog is not None:
+            return sited.read_lineage(catalog, key, [root])
         return json.loads(storage.read_bytes(url))
-    except (OSError, ValueError) as exc:
-        raise LookupError(f"{name} version {number}: its lineage record {url} is not "
+    except (OSError, ValueError, LookupError) as exc:
+        raise LookupError(f"{name} version {number}: its lineage record is not "
                           f"readable: {exc}") from exc  # fmt: skip
 
 

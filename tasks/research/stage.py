@@ -173,6 +173,7 @@ def plan_features(stage: StageParams, entries: pa.Table | None = None) -> Featur
 class FeatureOutput:
     key: str  # the feature node's key: what downstream keys are built from
     blob: storage.Blob
+    site: str = ""  # the site whose store holds this copy
 
     def read(self) -> pa.Table:
         return storage.read_table(self.blob)
@@ -233,21 +234,24 @@ def feature_outputs(
     sites (it ran at each under different placements), that site's copy is taken."""
     plan = plan_features(stage)
     rows: dict[str, dict] = {}
+    held: dict[str, str] = {}  # key -> the site whose copy is taken
     sites = stage.workspace.resolve_sites()
     sites = sorted(sites, key=lambda s: s.name != prefer)  # stable: then the default first
-    for store in (NodeStore(s.root) for s in sites):  # each node's output is where it ran
+    for site in sites:  # each node's output is where it ran (and where a copy was made)
         todo = plan.nodes.filter(
             pc.invert(pc.is_in(plan.nodes["key"], value_set=pa.array(list(rows), pa.string())))
         )
         if todo.num_rows:
-            rows |= {r["key"]: r for r in store.existing(plan.kind.name, todo).to_pylist()}
+            found = NodeStore(site.root).existing(plan.kind.name, todo).to_pylist()
+            rows |= {r["key"]: r for r in found}
+            held |= {r["key"]: site.name for r in found}
     out, missing = {}, []
     for key, product, date in zip(
         *(plan.nodes[c].to_pylist() for c in ("key", "product", "date")), strict=True
     ):
         part = Partition.trusted(product, dt.date.fromisoformat(date))
         if key in rows:
-            out[part] = FeatureOutput(key, output_blob(rows[key]))
+            out[part] = FeatureOutput(key, output_blob(rows[key]), held[key])
         else:
             missing.append(str(part))
     if missing:
@@ -272,6 +276,7 @@ class Keyed(Generic[T]):
     value: T
     cache_hit: bool
     reason: str = ""  # why it was computed when it was stored: "corrupt"
+    site: str = ""  # the site holding the copy taken, or where it was computed now
 
 
 def output_key(kind: str, **decided_by: Any) -> str:

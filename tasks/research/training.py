@@ -477,6 +477,12 @@ MEASURED = (
 def save_model(result: TrainResult, url: str | os.PathLike) -> None:
     """torch.save of the state dict, configs, normalizer and metadata to a local path or
     an object-store URL, atomically (storage.write_bytes_atomic)."""
+    storage.write_bytes_atomic(os.fspath(url), model_bytes(result))
+
+
+def model_bytes(result: TrainResult) -> bytes:
+    """What save_model stores: torch.save of the state dict, configs, normalizer and
+    metadata."""
     payload = {
         "format": 1,
         "state_dict": {k: v.detach().cpu() for k, v in result.model.state_dict().items()},
@@ -497,7 +503,7 @@ def save_model(result: TrainResult, url: str | os.PathLike) -> None:
     payload["rungs"] = list(result.rungs)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    storage.write_bytes_atomic(os.fspath(url), buffer.getvalue())
+    return buffer.getvalue()
 
 
 def stored_model(url: str | os.PathLike) -> dict:

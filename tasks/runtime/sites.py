@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -101,10 +102,14 @@ class SiteCounts:
     nodes: int = 0
     computed: int = 0
     compute_s: float = 0.0  # feature nodes
-    bytes_across: int = 0  # bytes read from other sites (inputs, feature outputs, model)
+    # bytes read from other sites: feature nodes' inputs, and the feature outputs and
+    # models copied here for training and the replay (of which the next two say how many)
+    bytes_across: int = 0
     cost: float = 0.0  # all of this site's seconds x its cost_per_hour / 3600
     train_s: float = 0.0
     simulate_s: float = 0.0
+    train_bytes_across: int = 0
+    simulate_bytes_across: int = 0
 
     def add(self, nodes: int, computed: int, compute_s: float, bytes_across: int,
             cost_per_hour: float) -> None:  # fmt: skip
@@ -115,10 +120,13 @@ class SiteCounts:
 
     def add_stage(self, stage: str, seconds: float, bytes_across: int,
                   cost_per_hour: float) -> None:  # fmt: skip
-        """Training's ("train") or the replay's ("simulate") seconds at this site."""
+        """Training's ("train") or the replay's ("simulate") seconds at this site, and the
+        bytes copied here for it."""
         field = f"{stage}_s"
         setattr(self, field, getattr(self, field) + seconds)
         self._spent(seconds, bytes_across, cost_per_hour)
+        field = f"{stage}_bytes_across"
+        setattr(self, field, getattr(self, field) + bytes_across)
 
     def _spent(self, seconds: float, bytes_across: int, cost_per_hour: float) -> None:
         self.bytes_across += bytes_across
@@ -138,19 +146,96 @@ def worker_address() -> str:
 GPU = "GPU"  # the Dask worker resource a GPU host declares (`dask worker --resources GPU=1`)
 
 
-def gpu_client(sites: Sequence[Site], stack: contextlib.ExitStack):
-    """(site, client) of the first site (the default first) that declares GPUs and whose
-    scheduler has a worker with the GPU resource; None when there is none, so training
-    stays in the flow's process. Only sites with a scheduler are asked: a LocalCluster
-    site is this machine, where the flow trains anyway."""
-    for site in sites:
-        if not (site.gpus and site.scheduler_address):
+# How many of a scheduler's workers declare the GPU resource; asked of the scheduler
+# itself. A lambda: cloudpickle sends it by value, so a site's scheduler needs no quantloop.
+_gpu_workers = lambda dask_scheduler: sum(  # noqa: E731
+    "GPU" in w.resources for w in dask_scheduler.workers.values()
+)
+
+
+class StageSite:
+    """Where a stage's work runs (training, the replay): a site's Dask worker that
+    declares the GPU resource, or, with no client, the flow's own process at the default
+    site. `run` waits for the worker's result only while the site has such a worker:
+    after the site's no_workers_timeout_s without one it cancels the task and raises
+    NoWorkers naming the site."""
+
+    def __init__(self, site: Site, client=None):
+        self.site, self.client = site, client
+
+    @property
+    def remote(self) -> bool:
+        return self.client is not None
+
+    def run(self, fn, *args):
+        if self.client is None:
+            return fn(*args)
+        future = self.client.submit(fn, *args, resources={GPU: 1}, pure=False)
+        return wait_for(self.client, future, self.site, getattr(fn, "__name__", "a task"))
+
+
+def wait_for(client, future, site: Site, what: str):
+    """The future's result; every poll without it asks the scheduler whether a worker
+    with the GPU resource is there. None for longer than the site's no_workers_timeout_s:
+    the task is cancelled and NoWorkers raised naming the site."""
+    from quantloop.tasks.engine.driver import NO_WORKERS_POLL_S, NoWorkers
+
+    limit = site.no_workers_timeout_s
+    poll = min(NO_WORKERS_POLL_S, limit / 4)
+    since = None  # when the scheduler was first seen without a GPU worker
+    while True:
+        try:
+            return future.result(timeout=poll)
+        except TimeoutError:
+            pass
+        now = time.monotonic()
+        if client.run_on_scheduler(_gpu_workers):
+            since = None
             continue
-        client = stack.enter_context(site.client())
+        since = now if since is None else since
+        if now - since > limit:
+            client.cancel(future)
+            raise NoWorkers(
+                f"site {site.name!r}: its Dask scheduler had no workers with the {GPU} "
+                f"resource for {now - since:.1f} s (no_workers_timeout_s {limit:g}) with "
+                f"{what} in flight",
+                site.name,
+            )
+
+
+def stage_site(
+    sites: Sequence[Site],
+    stack: contextlib.ExitStack,
+    *,
+    down: Collection[str] = (),
+    on_unreachable: str = "fail",
+    log=None,
+) -> StageSite:
+    """Where training and the replay run: the first site (the default first) that
+    declares GPUs, is not `down` and whose scheduler has a worker with the GPU resource;
+    else the flow's process, which is the default site. Only sites with a scheduler are
+    asked: a LocalCluster site is this machine, where the flow trains anyway. A GPU site
+    whose scheduler does not answer fails the run naming it (SiteUnreachable), or with
+    on_unreachable "replica" is passed over."""
+    for site in sites:
+        if not (site.gpus and site.scheduler_address) or site.name in down:
+            continue
+        try:
+            client = stack.enter_context(site.client())
+        except SiteUnreachable as exc:
+            if on_unreachable != "replica":
+                raise
+            if log is not None:
+                log.warning("%s: training and the replay go elsewhere", exc)
+            continue
         # Asked of the scheduler itself: its workers' declared resources.
-        has = client.run_on_scheduler(
-            lambda dask_scheduler: any(GPU in w.resources for w in dask_scheduler.workers.values())
-        )
-        if has:
-            return site, client
-    return None
+        if client.run_on_scheduler(_gpu_workers):
+            return StageSite(site, client)
+    return StageSite(sites[0])
+
+
+def gpu_client(sites: Sequence[Site], stack: contextlib.ExitStack):
+    """(site, client) of the first site that declares GPUs and whose scheduler has a
+    worker with the GPU resource (stage_site); None when there is none."""
+    where = stage_site(sites, stack)
+    return (where.site, where.client) if where.remote else None
