@@ -195,11 +195,14 @@ def prefect_worker(
     folder: Path,
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = (),
+    name: str | None = None,
 ) -> Iterator[subprocess.Popen]:
     """`prefect worker start --type process` polling `pool` every second; yields the process.
 
     Flow runs it picks up run as its child processes and inherit its environment
-    (`env` adds to it); the log, flow runs' output included, is `folder/prefect-worker.log`.
+    (`env` adds to it, and replaces what it names, HOME or TMPDIR included); the log,
+    flow runs' output included, is `folder/prefect-worker.log`. `name`: the worker's name
+    in the pool (default `<pool>-test-worker`; workers of one pool need their own).
     """
     folder.mkdir(parents=True, exist_ok=True)
     worker_env = prefect_env(
@@ -213,7 +216,7 @@ def prefect_worker(
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "prefect", "worker", "start",
-            "--pool", pool, "--type", "process", "--name", f"{pool}-test-worker", *args,
+            "--pool", pool, "--type", "process", "--name", name or f"{pool}-test-worker", *args,
         ],
         stdout=log, stderr=subprocess.STDOUT, env=worker_env,
     )  # fmt: skip

@@ -433,6 +433,10 @@ def list_files(url: str, suffix: str = "") -> list[str]:
     """Complete files under a folder (temporary files skipped), as URLs/paths."""
     fs, path = filesystem(url)
     with _naming(url, "listing"):
+        if not is_local(fs):
+            # s3fs keeps folder listings, and find() does not replace one it has: a file
+            # another process wrote since would be listed, then not found when read
+            fs.invalidate_cache(path)
         if not fs.exists(path):
             return []
         found = fs.find(path)
