@@ -155,19 +155,26 @@ def prefect_env(home: Path, **settings: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def prefect_server(
-    folder: Path, timeout: float = 120, auth_string: str | None = None, port: int | None = None
+    folder: Path,
+    timeout: float = 120,
+    auth_string: str | None = None,
+    port: int | None = None,
+    database: str | None = None,
 ) -> Iterator[str]:
     """`prefect server start` on a free loopback port, SQLite under `folder`; yields the API URL.
     With `auth_string` ("user:password") every API request must carry it. A given port
-    (and folder) restarts a stopped server on its database.
+    (and folder) restarts a stopped server on its database. `database`: a PostgreSQL
+    database for its store instead (postgresql+asyncpg://...), as a desk runs it.
 
-    Its start takes 15-30 s (migrations, services); the log is `folder/prefect-server.log`.
+    Its start takes 15-30 s on SQLite (migrations, services), ~4 s on PostgreSQL here;
+    the log is `folder/prefect-server.log`.
     """
     folder.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     env = prefect_env(
         folder / "server-home",
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
+        PREFECT_API_DATABASE_CONNECTION_URL=database
+        or f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
         **({"PREFECT_SERVER_API_AUTH_STRING": auth_string} if auth_string else {}),
     )
     prefect_db.seed(env)  # as the resident API and `quantloop serve` start theirs

@@ -46,12 +46,13 @@ TINY = {
 }
 
 
-def tiny(product: str, workspace: dict) -> dict:
-    return {**TINY, "workspace": workspace, "data": {**TINY["data"], "products": [product]}}
+def tiny(products: list[str], workspace: dict) -> dict:
+    return {**TINY, "workspace": workspace, "data": {**TINY["data"], "products": products}}
 
 
 @dataclasses.dataclass
 class Desk:
+    api: str  # the Prefect server's API (its store on PostgreSQL; locked: AUTH)
     catalog_url: str  # the partition catalog's database (DataCatalog block)
     mlflow_url: str  # MLflow's tracking and registry store (MlflowTracking block)
     bucket: str  # the S3 site's storage and MLflow's artifacts
@@ -59,35 +60,49 @@ class Desk:
     deployment: UUID
 
 
+# The desk's Prefect server is locked, as infra/README.md starts it.
+AUTH = "quantloop:hosts-" + os.urandom(8).hex()
+
+
 @pytest.fixture(scope="module")
-def desk(postgres, s3_endpoint, prefect_api) -> Desk:
-    """The desk's shared state, made once as an operator would (infra/README.md): two
-    databases on the PostgreSQL server, a bucket, the blocks saved on the Prefect server,
-    MLflow's tables and experiment, and the research deployment on the desk's pool."""
+def desk(postgres, s3_endpoint, tmp_path_factory) -> Desk:
+    """The desk's shared state, made once as an operator would (infra/README.md): three
+    databases on the PostgreSQL server (Prefect's, the catalog's, MLflow's), a bucket,
+    the Prefect server on its database, the blocks saved there, MLflow's tables and
+    experiment, and the research deployment on the desk's pool. This process's flows
+    and clients use that server while the module runs."""
     import s3fs
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     tag = os.urandom(3).hex()
+    prefect_db = postgres.create_database(f"hosts_prefect_{tag}")
     catalog_url = postgres.create_database(f"hosts_catalog_{tag}")
     mlflow_url = postgres.create_database(f"hosts_mlflow_{tag}").replace(
         "postgresql://", "postgresql+psycopg2://", 1)  # fmt: skip
     bucket = f"ql-hosts-{tag}"
     s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
-    names = {"site": f"hosts-s3-{tag}", "tracking": f"hosts-mlflow-{tag}",
-             "data_catalog": f"hosts-catalog-{tag}"}  # fmt: skip
-    # No scheduler: each run computes its nodes on a LocalCluster of the host it runs on;
-    # what they write goes to S3.
-    Site(name="desk", storage_root=f"s3://{bucket}/store", n_workers=1).save(names["site"])
-    DataCatalog(database_url=catalog_url).save(names["data_catalog"])
-    block = MlflowTracking(tracking_uri=mlflow_url, artifact_location=f"s3://{bucket}/mlartifacts")
-    block.save(names["tracking"])
-    tracking.client_for(block)  # MLflow's tables and the experiment, once, before any run
-    workspace = {"home": "~/quantloop", **names}
-    [research] = [d for d in read_deployments(PREFECT_YAML) if d.flow == "research"]
-    [spec] = for_stack([research], pool=POOL, checkout=REPO_ROOT, workspace=workspace)
-    # The file's pull step ($QUANTLOOP_DIR, resolved on each worker host), not the stack's.
-    spec = dataclasses.replace(spec, name=f"hosts-{tag}", pull_steps=research.pull_steps)
-    ids = apply([spec], queues={"host-1": 2, "host-2": 3})
-    return Desk(catalog_url, mlflow_url, bucket, workspace, ids[spec.full_name])
+    asyncpg = prefect_db.replace("postgresql://", "postgresql+asyncpg://", 1)
+    with (
+        servers.prefect_server(tmp_path_factory.mktemp("prefect"), auth_string=AUTH,
+                               database=asyncpg) as api,
+        temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: AUTH}),
+    ):  # fmt: skip
+        names = {"site": "desk-s3", "tracking": "desk-mlflow", "data_catalog": "desk-catalog"}
+        # No scheduler: each run computes its nodes on a LocalCluster of the host it runs
+        # on; what they write goes to S3.
+        Site(name="desk", storage_root=f"s3://{bucket}/store", n_workers=1).save(names["site"])
+        DataCatalog(database_url=catalog_url).save(names["data_catalog"])
+        block = MlflowTracking(tracking_uri=mlflow_url,
+                               artifact_location=f"s3://{bucket}/mlartifacts")  # fmt: skip
+        block.save(names["tracking"])
+        tracking.client_for(block)  # MLflow's tables and the experiment, once, before any run
+        workspace = {"home": "~/quantloop", **names}
+        [research] = [d for d in read_deployments(PREFECT_YAML) if d.flow == "research"]
+        [spec] = for_stack([research], pool=POOL, checkout=REPO_ROOT, workspace=workspace)
+        # The file's pull step ($QUANTLOOP_DIR, resolved on each worker host), not the stack's.
+        spec = dataclasses.replace(spec, pull_steps=research.pull_steps)
+        ids = apply([spec], queues={"host-1": 2, "host-2": 3})
+        yield Desk(api, catalog_url, mlflow_url, bucket, workspace, ids[spec.full_name])
 
 
 @dataclasses.dataclass
@@ -104,7 +119,7 @@ class Host:
 
 
 @pytest.fixture(scope="module")
-def hosts(desk, prefect_api, tmp_path_factory) -> dict[int, Host]:
+def hosts(desk, tmp_path_factory) -> dict[int, Host]:
     """Two hosts: each a `prefect worker` of the desk's pool on a queue of its own
     (at most 4 flow runs at once), with its own HOME and TMPDIR."""
     out = {}
@@ -115,21 +130,21 @@ def hosts(desk, prefect_api, tmp_path_factory) -> dict[int, Host]:
             home.mkdir()
             tmp.mkdir()
             env = {"HOME": str(home), "TMPDIR": str(tmp), "XDG_CACHE_HOME": str(home / ".cache"),
-                   "XDG_CONFIG_HOME": str(home / ".config"),
-                   "QUANTLOOP_DIR": str(REPO_ROOT)}  # fmt: skip
+                   "XDG_CONFIG_HOME": str(home / ".config"), "QUANTLOOP_DIR": str(REPO_ROOT),
+                   "PREFECT_API_AUTH_STRING": AUTH}  # fmt: skip
             stack.enter_context(servers.prefect_worker(
-                prefect_api, POOL, root / "worker", env=env, name=f"host-{n}",
+                desk.api, POOL, root / "worker", env=env, name=f"host-{n}",
                 args=("--work-queue", f"host-{n}", "--limit", "4")))  # fmt: skip
-            out[n] = Host(n, home, tmp, servers.prefect_env(root / "cli", PREFECT_API_URL=prefect_api,
-                                                            **env), root / "worker" / "prefect-worker.log")  # fmt: skip
+            cli_env = servers.prefect_env(root / "cli", PREFECT_API_URL=desk.api, **env)
+            out[n] = Host(n, home, tmp, cli_env, root / "worker" / "prefect-worker.log")
         yield out
 
 
-def start(desk: Desk, host: Host, product: str) -> UUID:
-    """A research run of the deployment on one product, for `host`'s worker."""
+def start(desk: Desk, host: Host, products: list[str]) -> UUID:
+    """A research run of the deployment on `products`, for `host`'s worker."""
     with get_client(sync_client=True) as client:
         run = client.create_flow_run_from_deployment(
-            desk.deployment, parameters={"params": tiny(product, desk.workspace)},
+            desk.deployment, parameters={"params": tiny(products, desk.workspace)},
             work_queue_name=host.queue)  # fmt: skip
     return run.id
 
@@ -190,54 +205,6 @@ def quantloop(host: Host, *args: str) -> subprocess.Popen:
                             text=True)  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.server
-def test_data_landed_on_one_host_is_found_pinned_and_read_on_the_other(desk, hosts):
-    """Host 1 runs research on a product nobody landed: it lands the days at the S3 site
-    and records them in the PostgreSQL catalog. Then, at once on host 2: a research run
-    on the same product finds host 1's versions (it lands nothing: the catalog's write
-    counter does not move), pins the same versions and trains on them; and `quantloop
-    reproduce` re-runs every node, the model and the simulation of host 1's run from its
-    recorded pin, reading the inputs from S3: 0 failures. Host 2 keeps no catalog and no
-    store of its own."""
-    h1, h2 = hosts[1], hosts[2]
-    first_id = start(desk, h1, "HLAND")
-    first_run = finish([first_id], hosts)[first_id]
-    first = recorded(desk, first_id)
-    writes = dataset_writes(desk)
-    assert writes >= 2  # its two days, landed from host 1
-
-    second_id = start(desk, h2, "HLAND")
-    summary = h2.tmp / "reproduction.json"
-    reproduce = quantloop(h2, "reproduce", first.info.run_id, "--sample", "0",
-                          "--home", str(h2.home / "quantloop"), "--tracking-uri", desk.mlflow_url,
-                          "--summary-json", str(summary))  # fmt: skip
-    second_run = finish([second_id], hosts)[second_id]
-    out, _ = reproduce.communicate(timeout=RUN_TIMEOUT_S)
-    assert reproduce.returncode == 0, out[-4000:]
-    second = recorded(desk, second_id)
-
-    ran_on(h1, first_id, hosts, first_run)
-    ran_on(h2, second_id, hosts, second_run)
-    # Found: host 2 landed nothing; pinned: the same versions (the pin is their digest)
-    assert dataset_writes(desk) == writes
-    assert second.data.tags["data_digest"] == first.data.tags["data_digest"]
-    pinned = Catalog(desk.catalog_url).pinned(second.data.tags["data_digest"])
-    assert set(pinned["product"].to_pylist()) == {"HLAND"}
-    assert all(u.startswith(f"s3://{desk.bucket}/") for u in pinned["location"].to_pylist())
-    # ... and read: its nodes are host 1's outputs, and its model host 1's
-    assert second.data.metrics["cache_hits"] == second.data.metrics["nodes"] == 2
-    assert second.data.tags["model_digest"] == first.data.tags["model_digest"]
-    # Reproduced on host 2: both nodes, the model and the simulation, from S3 and the pin
-    report = json.loads(summary.read_text())
-    assert report["failures"] == 0 and report["nodes"] == 4, report
-    assert sorted(c["what"] for c in report["checks"]) == ["features", "features", "model",
-                                                            "simulation"]  # fmt: skip
-    for host in (h1, h2):  # neither host made a catalog or a store of its own
-        home = host.home / "quantloop"
-        assert not (home / "catalog.sqlite").exists() and not (home / "store").exists()
-
-
 HOST_PRODUCTS = {1: ["HAA", "HAB", "HAC", "HAD"], 2: ["HBA", "HBB", "HBC", "HBD"]}
 
 
@@ -245,53 +212,95 @@ def same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-@pytest.mark.slow
-@pytest.mark.server
-def test_eight_runs_at_once_four_from_each_host_get_their_own_datas_model_and_markout(
-    desk, hosts, tmp_path
-):
-    """Eight research runs at once, four from each host, each on its own product, on the
-    one PostgreSQL catalog (and MLflow store, and S3 site): every run pins exactly its own
-    product's days, and its model and mark-out are bit for bit those of the same run made
-    alone, in a workspace of its own (after them, one at a time, in this process)."""
+def alone(products: list[str], folder: Path) -> dict:
+    """Each run made alone, one at a time, in this process: a catalog, store and MLflow
+    store of its own (one Dask cluster for all, so that no run pays for starting one)."""
     from distributed import LocalCluster
 
     from quantloop.blocks.site import WORKER_PRELOAD
     from quantloop.flows.research import ResearchParams, research
 
-    ids = {start(desk, hosts[n], p): (n, p) for n in (1, 2) for p in HOST_PRODUCTS[n]}
-    runs = finish(list(ids), hosts)
-    starts = [r.start_time for r in runs.values()]
-    ends = [r.end_time for r in runs.values()]
-    assert max(starts) < min(ends), "the eight runs were not all running at one moment"
-    at_once = {ids[i][1]: recorded(desk, i) for i in ids}
-    for i, (n, _) in ids.items():
-        ran_on(hosts[n], i, hosts, runs[i])
-
-    # The same runs alone: one at a time, each on a catalog, store and MLflow of its own
-    # (one Dask cluster for all, so that no run pays for starting one)
+    out = {}
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
                       preload=list(WORKER_PRELOAD)) as cluster:  # fmt: skip
-        alone = {}
-        for product in at_once:
-            home = tmp_path / product
+        for product in products:
+            home = folder / product
             site = Site(name="alone", scheduler_address=cluster.scheduler_address,
                         storage_root=str(home / "store"))  # fmt: skip
-            alone[product] = research(ResearchParams.model_validate(
-                tiny(product, {"home": str(home), "site": site})))  # fmt: skip
+            out[product] = research(ResearchParams.model_validate(
+                tiny([product], {"home": str(home), "site": site})))  # fmt: skip
+    return out
 
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_two_hosts_share_a_desk_through_postgresql_s3_and_prefect_only(desk, hosts, tmp_path):
+    """One scenario, its runs reused (each is a flow-run process of its own):
+
+    1. Host 1 lands the days of eight products: a research run over all of them, which
+       lands them at the S3 site and records them in the PostgreSQL catalog.
+    2. Then, at once: eight research runs, four from each host, each on one product, on
+       the one catalog (and MLflow store, and S3 site); and, on host 2, `quantloop
+       reproduce` of host 1's run, every node, the model and the simulation.
+    Host 2's runs find host 1's versions (they land nothing: the catalog's write counter
+    does not move; a version counts as found once its bytes, read from S3, have its
+    digest), pin them and train on them. Every run of the eight pins exactly its own
+    product's days, and its model and mark-out are bit for bit those of the same run
+    made alone (in this process, while host 1 lands). The reproduction on host 2 reads
+    host 1's pin from PostgreSQL and its inputs from S3: 0 failures. Neither host keeps
+    a catalog or a store of its own."""
+    h1, h2 = hosts[1], hosts[2]
+    products = HOST_PRODUCTS[1] + HOST_PRODUCTS[2]
+    landing_id = start(desk, h1, products)
+    made_alone = alone(products, tmp_path)  # while host 1 lands
+    landing_run = finish([landing_id], hosts)[landing_id]
+    landing = recorded(desk, landing_id)
+    writes = dataset_writes(desk)
+    assert writes == 2 * len(products)  # two days each, landed once, from host 1
+
+    ids = {start(desk, hosts[n], [p]): (n, p) for n in (1, 2) for p in HOST_PRODUCTS[n]}
+    summary = h2.tmp / "reproduction.json"
+    reproduce = quantloop(h2, "reproduce", landing.info.run_id, "--sample", "0",
+                          "--home", str(h2.home / "quantloop"), "--tracking-uri", desk.mlflow_url,
+                          "--summary-json", str(summary))  # fmt: skip
+    runs = finish(list(ids), hosts)
+    out, _ = reproduce.communicate(timeout=RUN_TIMEOUT_S)
+    assert reproduce.returncode == 0, out[-4000:]
+
+    ran_on(h1, landing_id, hosts, landing_run)
+    for i, (n, _) in ids.items():
+        ran_on(hosts[n], i, hosts, runs[i])
+    starts = [r.start_time for r in runs.values()]
+    assert max(starts) < min(r.end_time for r in runs.values()), "not all eight ran at once"
+
+    # Found: the eight landed nothing (host 2's four included); each pinned its own days,
+    # the versions host 1 landed at the S3 site
+    assert dataset_writes(desk) == writes
     catalog = Catalog(desk.catalog_url)
     versions = set()
-    for product, parent in at_once.items():
+    for i, (_, product) in ids.items():
+        parent = recorded(desk, i)
         tags, metrics = parent.data.tags, parent.data.metrics
-        own = alone[product]
-        assert set(catalog.pinned(tags["data_digest"])["product"].to_pylist()) == {product}
+        pinned = catalog.pinned(tags["data_digest"])
+        assert set(pinned["product"].to_pylist()) == {product}
+        assert all(u.startswith(f"s3://{desk.bucket}/") for u in pinned["location"].to_pylist())
+        # Its own data's model and mark-out: those of the same run alone
+        own = made_alone[product]
         assert tags["data_digest"] == own.data_digest, product
         assert tags["model_digest"] == own.model_digest, product
-        assert metrics["nodes"] == metrics["computed"] == 2, product
-        for h, bps in own.markout_bps.items():
-            assert same(metrics[f"markout_bps.{h}"], bps), (product, h)
+        assert own.markout_bps and all(same(metrics[f"markout_bps.{h}"], bps)
+                                       for h, bps in own.markout_bps.items()), product  # fmt: skip
+        # Read: its nodes are those host 1 computed, found in the S3 store by their keys
+        assert metrics["nodes"] == metrics["cache_hits"] == 2, product
         versions.add(tags["model_version"])
-    # Eight distinct models, eight candidate versions registered at once
-    assert len({p.data.tags["model_digest"] for p in at_once.values()}) == 8
-    assert len(versions) == 8
+    assert len({a.model_digest for a in made_alone.values()}) == len(products)  # all differ
+    assert len(versions) == len(products)  # a candidate version each, registered at once
+
+    # Reproduced on host 2: every node of host 1's run, its model and its simulation
+    report = json.loads(summary.read_text())
+    assert report["failures"] == 0, report
+    whats = [c["what"] for c in report["checks"]]
+    assert whats.count("features") == 2 * len(products) and {"model", "simulation"} <= set(whats)
+    for host in (h1, h2):  # neither host made a catalog or a store of its own
+        home = host.home / "quantloop"
+        assert not (home / "catalog.sqlite").exists() and not (home / "store").exists()
