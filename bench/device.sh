@@ -18,7 +18,10 @@
 #                                            from process start to exit (cold, no-op, one
 #                                            feature changed, training changed), REPEAT (3)
 #                                            each, on the ladder's workload shape; CASES
-#                                            picks them (bench/turnaround.py --cases)
+#                                            picks them (bench/turnaround.py --cases),
+#                                            COLD_REPEAT the cold runs, TURN_NAME the files
+#   bash bench/device.sh research-sweep OUT COMMIT  one H200: `quantloop run` of a sweep with
+#                                            walk-forward folds (research-h200-sweep.json)
 #   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
 #                                            against one after another and K processes);
 #                                            SWEEP_ARGS picks its parts (--parts, --ks, --steps)
@@ -125,6 +128,27 @@ if [ "$stage" = gap ]; then  # the research run against the top rung, one machin
   done > "$out/run.log"
   exit 0
 fi
+if [ "$stage" = research-sweep ]; then  # `quantloop run` of a sweep with walk-forward folds
+  # (bench/params/research-h200-sweep.json): one run on a fresh home, `auto` reading the
+  # committed ladder result; its summary, log and MLflow store come back
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+  echo "== wheels installed at $((SECONDS - start)) s"
+  params=$(realpath "${PARAMS:-bench/params/research-h200-sweep.json}") out=$(realpath "$out")
+  home=/tmp/qhome-sweep
+  rm -rf $home && mkdir -p $home/ladder
+  cp bench/results/ladder-h200.json $home/ladder/ladder.json
+  (cd /tmp && timeout "${SWEEP_RUN_TIMEOUT:-240}" python3 -P -m quantloop.cli run \
+    --params "$params" --home $home --summary-json "$out/research-h200-sweep.json" \
+    > /tmp/research-sweep.log 2>&1)
+  echo "== research sweep rc $? at $((SECONDS - start)) s"; tail -40 /tmp/research-sweep.log
+  tar czf "$out/mlflow-h200-sweep.tar.gz" -C $home --exclude='*/trace/*' mlflow.db mlartifacts
+  for f in /tmp/research-sweep.log $home/logs/*.log; do
+    [ -f "$f" ] && { echo "===== $f"; cat "$f"; }
+  done > "$out/research-sweep.log"
+  exit 0
+fi
 if [ "$stage" = sweep ]; then  # K models trained as one stack (bench/sweep.py)
   # Prefect, pydantic ... for the imports of the data stages; not quantloop's own wheel:
   # bench/sweep.py imports this checkout (bench/checkout.py), the code under test.
@@ -161,7 +185,8 @@ if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
   # own path (bench/report.py). The LOBSTER samples (../shared) do not travel: skipped.
   (cd /tmp && PYTHONPATH=/tmp/site timeout "${TURN_TIMEOUT:-540}" python3 -P \
     "$repo/bench/turnaround.py" --data "${DATA:-synthetic,lobster}" --repeat "${REPEAT:-3}" \
-    ${CASES:+--cases "$CASES"} --params "$params" --name turnaround-h200 --results "$out" \
+    ${CASES:+--cases "$CASES"} ${COLD_REPEAT:+--cold-repeat "$COLD_REPEAT"} \
+    --params "$params" --name "${TURN_NAME:-turnaround-h200}" --results "$out" \
     --work /tmp/turn) 2>&1 \
     | grep --line-buffered -v Warn | tee /tmp/turnaround.log
   echo "== turnaround rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"

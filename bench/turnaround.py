@@ -6,6 +6,10 @@ For each data set (the embedded synthetic default; the LOBSTER samples) and each
 - no-op: the same run again (every node a hit, the models and simulations found by key);
 - one product's feature changed (`product_features`, a new value each repetition);
 - one training parameter changed (`train.seed`, a new value each repetition),
+- the same with `QUANTLOOP_OVERLAP=0` (tasks/runtime/overlap.py off: no Inductor import
+  ahead, the model exported in the run's own interpreter, Inductor's compile workers
+  started as PyTorch starts them), run alternately with the case before: its peer in the
+  same session,
 - the no-op again in-process (`QUANTLOOP_FORKSERVER=0`): the peer of the warm process,
 
 every case but the last run by the warm process (quantloop/forkserver.py), which the
@@ -44,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOBSTER = ROOT.parent / "shared" / "data" / "lobster"
 CASES = ("cold", "no-op", "feature changed", "training changed")
 IN_PROCESS = "no-op in-process"
+OVERLAP_OFF = "training changed (overlap off)"
 # The breakdown's phases, in the order a run passes them (the table's columns).
 PHASES = (
     "start and imports (cli)",
@@ -104,6 +109,8 @@ def changed(params: dict, case: str, rep: int, product: str) -> dict:
         out.setdefault("product_features", {})[product] = {"ofi_window": 60 + 10 * rep}
     elif case == "training changed":
         out.setdefault("train", {})["seed"] = 100 + rep
+    elif case == OVERLAP_OFF:
+        out.setdefault("train", {})["seed"] = 200 + rep
     return out
 
 
@@ -178,6 +185,7 @@ def median_of(runs: list[dict]) -> dict:
         return statistics.median(values) if values else float("nan")
 
     phases = sorted({k for r in runs for k in r["phases"]})
+    order = list(dict.fromkeys(k for r in runs for k in r["phases"]))  # as a run passes them
     totals = sorted({k for r in runs for k in r["totals"]})
     wall, compute = med([r["wall_s"] for r in runs]), med([r["compute_s"] for r in runs])
     return {
@@ -187,6 +195,7 @@ def median_of(runs: list[dict]) -> dict:
         "overhead_s": wall - compute,
         "ratio": wall / compute if compute > 0 else None,
         "phases": {k: med([r["phases"].get(k, 0.0) for r in runs]) for k in phases},
+        "phase_order": order,
         "totals": {
             k: {
                 "seconds": med([r["totals"].get(k, {}).get("seconds", 0.0) for r in runs]),
@@ -235,11 +244,12 @@ def bench(
     out: dict,
     done=lambda: None,
     cases: tuple[str, ...] = CASES,
+    cold_repeat: int | None = None,
 ) -> dict:
     """The cases on one data set, into `out`; `done()` after each (the results so far are
     written)."""
     params = data_params(data, extra)
-    homes = [work / f"{data}-cold{r}" for r in range(repeat)]
+    homes = [work / f"{data}-cold{r}" for r in range(cold_repeat or repeat)]
     try:
         cold = []
         for r, home in enumerate(homes):
@@ -264,13 +274,24 @@ def bench(
                 print(f"{data} {IN_PROCESS} {r}: {inproc[-1]['wall_s']:.1f} s", flush=True)
             out[IN_PROCESS] = median_of(inproc)
             done()
-        for case in [c for c in ("feature changed", "training changed") if c in cases]:
+        if "feature changed" in cases:
             runs = []
             for r in range(repeat):
-                runs.append(run_once(home, changed(params, case, r, product), env))
-                print(f"{data} {case} {r}: {runs[-1]['wall_s']:.1f} s", flush=True)
-            out[case] = median_of(runs)
+                runs.append(run_once(home, changed(params, "feature changed", r, product), env))
+                print(f"{data} feature changed {r}: {runs[-1]['wall_s']:.1f} s", flush=True)
+            out["feature changed"] = median_of(runs)
             done()
+        # training changed, and its peer with overlap off alternately (the same drift)
+        pair = [c for c in ("training changed", OVERLAP_OFF) if c in cases]
+        runs_of: dict[str, list] = {c: [] for c in pair}
+        env_of = {"training changed": env, OVERLAP_OFF: {**env, "QUANTLOOP_OVERLAP": "0"}}
+        for r in range(repeat):
+            for case in pair:
+                runs_of[case].append(run_once(home, changed(params, case, r, product),
+                                              env_of[case]))  # fmt: skip
+                print(f"{data} {case} {r}: {runs_of[case][-1]['wall_s']:.1f} s", flush=True)
+                out[case] = median_of(runs_of[case])
+                done()
     finally:
         for home in homes:
             stop_api(home, env)
@@ -373,7 +394,56 @@ def markdown(result: dict) -> str:
         "teardown, measured from outside. MLflow: the calls' seconds, inside the phases.",
         "",
     ]
+    lines += inside(result)
     return "\n".join(lines)
+
+
+# The train and simulate stages' own phases, and the totals of the work in and beside them
+INSIDE = ("train", "simulate", "statistics")
+BESIDE = ("ahead: inductor", "registration", "registration: export in a warm child",
+          "mlflow", "mlflow, background")  # fmt: skip
+
+
+def inside(result: dict) -> list[str]:
+    """A table of the training-changed cases' train and simulate phases side by side
+    (median seconds), with the work beside them and what the compute holds."""
+    cases = [(data, case, m) for data, by_case in result["data"].items()
+             for case, m in by_case.items() if case.startswith("training changed")]  # fmt: skip
+    if not cases:
+        return []
+    order = list(dict.fromkeys(n for *_, m in cases for n in m.get("phase_order", [])
+                               if n.startswith(INSIDE)))  # fmt: skip
+    rows = [(name, *(f"{m['phases'].get(name, 0.0):.2f}" for *_, m in cases)) for name in order]
+    rows += [(f"{name} (total)",
+              *(f"{m['totals'].get(name, {}).get('seconds', 0.0):.2f}" for *_, m in cases))
+             for name in BESIDE if any(name in m["totals"] for *_, m in cases)]  # fmt: skip
+    rows += [
+        ("wall", *(f"{m['wall_s']:.2f}" for *_, m in cases)),
+        ("compute", *(f"{m['compute_s']:.2f}" for *_, m in cases)),
+        (
+            "of which the first compiled step",
+            *(f"{m['phases'].get('train: first step', 0.0):.2f}" for *_, m in cases),
+        ),
+        ("wall - compute", *(f"{m['overhead_s']:.2f}" for *_, m in cases)),
+        ("wall / compute", *(f"{m['ratio']:.2f}" if m["ratio"] else "n/a" for *_, m in cases)),
+    ]
+    return [
+        "## The train and simulate stages inside (median seconds per phase)",
+        "",
+        markdown_table(
+            ("phase", *(f"{data}: {case}" for data, case, _ in cases)),
+            rows,
+            numeric=[False, *[True] * len(cases)],
+        ),  # fmt: skip
+        "",
+        "compute is the feature nodes' seconds, the training loop (from the compile cache's "
+        "load to the last step: the first compiled step, which loads the kernels, included) "
+        "and the replay (the model's load and its first, compiling batches included). "
+        "Totals: seconds summed over their calls; `ahead: inductor` (a thread), "
+        "`registration` (a thread; its export in another process when `registration: export "
+        "in a warm child` shows) and `mlflow, background` ran beside the phases above.",
+        "",
+    ]
 
 
 def main() -> None:
@@ -384,6 +454,12 @@ def main() -> None:
         help="comma-separated: synthetic (the embedded default), lobster",
     )
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--cold-repeat",
+        type=int,
+        default=None,
+        help="cold runs (default --repeat): each compiles or fills a fresh home",
+    )
     parser.add_argument(
         "--params",
         type=Path,
@@ -403,7 +479,7 @@ def main() -> None:
         "--cases",
         default=",".join((*CASES, IN_PROCESS)),
         help="cold and no-op always run; add 'feature changed', 'training changed', "
-        f"'{IN_PROCESS}'",
+        f"'{OVERLAP_OFF}', '{IN_PROCESS}'",
     )
     args = parser.parse_args()
     extra = json.loads(args.params.read_text()) if args.params else {}
@@ -449,6 +525,7 @@ def main() -> None:
                 result["data"][data],
                 done=save,
                 cases=tuple(args.cases.split(",")),
+                cold_repeat=args.cold_repeat,
             )
     finally:
         if args.work is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import os
 import time
 import uuid
 from collections import deque
@@ -54,7 +55,19 @@ SHARDS_IN_FLIGHT = 2
 # Nodes expected to take less than this in all run in the flow's process when the site
 # would start a LocalCluster for them: its start and stop took 2.7 s of a run that
 # changed one product's features (1-4 nodes of ~0.2-2.5 s) on this 2-core machine.
+# QUANTLOOP_INLINE_BELOW_S sets another bound; 0 always starts the cluster.
 INLINE_BELOW_S = 2.5
+# A kind's first nodes (no history) are expected to take this per MB of stored input:
+# synthetic books of 2-10 levels computed at ~0.1 s per MB here (0.13 s for a 1.4 MB
+# day); five times that, so that only clearly small first runs (a tiny data set's 0.5 MB:
+# 0.05 s of nodes) skip the cluster, and the default research run's 6.6 MB does not.
+UNKNOWN_S_PER_MB = 0.5
+
+
+def inline_below_s() -> float:
+    """INLINE_BELOW_S, or QUANTLOOP_INLINE_BELOW_S where it is set."""
+    value = os.environ.get("QUANTLOOP_INLINE_BELOW_S", "").strip()
+    return float(value) if value else INLINE_BELOW_S
 
 
 class NodeFailures(RuntimeError):
@@ -101,12 +114,12 @@ def feature_shard(
     if "input_site" in entries.column_names:  # placed: where each input copy is read from
         nodes = nodes.append_column("input_site", entries["input_site"])
     store = NodeStore(store_root)
-    inline_below_s = INLINE_BELOW_S if connect.starts_cluster else 0.0
+    inline_s = inline_below_s() if connect.starts_cluster else 0.0
     t0 = time.perf_counter()
     try:
         result = run_nodes(kind, params, nodes, store, connect=connect, site=site,
                            progress=report, priority=-shard, verify_hits=verify_hits,
-                           inline_below_s=inline_below_s,
+                           inline_below_s=inline_s, unknown_s_per_mb=UNKNOWN_S_PER_MB,
                            no_workers_timeout_s=connect.no_workers_timeout_s)  # fmt: skip
     except NoWorkers as exc:
         # The site lost its workers: what finished is recorded as this shard's part; the

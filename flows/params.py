@@ -28,6 +28,7 @@ from quantloop.tasks.research.form import (
 from quantloop.tasks.research.planning import normalized_overrides, product_params
 from quantloop.tasks.research.simulation import SimConfig
 from quantloop.tasks.research.stage import StageParams, folds_of
+from quantloop.tasks.research.sweep import Sweep
 from quantloop.tasks.research.train_config import TrainConfig
 from quantloop.tasks.runtime.workspace import Selection, Workspace
 
@@ -114,6 +115,15 @@ class ResearchParams(BaseModel):
         title="Training",
         description="How the model is trained on the training part of every product.",
     )
+    sweep: Sweep = Field(
+        default=Sweep(),
+        title="Sweep of training settings",
+        description="Several settings of the training config (learning rates, weight "
+        "decays, seeds, model shapes: a grid or a list), each trained on every fold, "
+        "replayed on its test windows and ranked on the pooled out-of-sample mark-outs, "
+        "every setting counted as a trial; the best is the registered model. Empty: one "
+        "model per fold at the training config.",
+    )
     simulation: SimForm = Field(
         default=SimConfig(),
         title="Simulation",
@@ -174,7 +184,27 @@ class ResearchParams(BaseModel):
         if self.data.lobster_dir is None:
             product_params(self.features, self.product_features, self.data.products)
         self.product_features = normalized_overrides(self.features, self.product_features)
+        if self.sweep.active:
+            self.sweep.expand(self.train)  # ValueError naming the setting
+            keys = self.simulation.horizon_keys()
+            if self.sweep.rank_horizon not in keys:
+                raise ValueError(f"sweep.rank_horizon {self.sweep.rank_horizon!r} is not a "
+                                 f"horizon of the simulation: {', '.join(keys)}")  # fmt: skip
         return self
+
+    def settings(self) -> list[TrainConfig]:
+        """The training configs the run trains, one model per fold each: the sweep's
+        settings, or the training config alone."""
+        return self.sweep.expand(self.train) if self.sweep.active else [self.train]
+
+    def trial_ids(self) -> list[str]:
+        """Each configuration this run evaluates on its held-out data, as the digest a
+        research run of that configuration alone has (`hash`): a sweep's settings are
+        trials as separate runs would be, and a setting run again alone is not another."""
+        if not self.sweep.active:
+            return [self.hash()]
+        return [self.model_copy(update={"train": cfg, "sweep": Sweep()}).hash()
+                for cfg in self.settings()]  # fmt: skip
 
     def preflight(self) -> list[str]:
         """Check the inputs a run will read, before anything starts: the LOBSTER folder
@@ -228,7 +258,9 @@ class ResearchParams(BaseModel):
 
     def hash(self) -> str:
         """Digest of what decides the result (not where it is stored)."""
-        return sha256_json(self.model_dump(mode="json", exclude={"workspace"}))
+        # without an empty sweep: a run's digest is the one it had before sweeps existed
+        exclude = {"workspace"} | (set() if self.sweep.active else {"sweep"})
+        return sha256_json(self.model_dump(mode="json", exclude=exclude))
 
 
 def _too_little_data(short: list[str], rows: dict[str, int], horizon: int, days: list) -> str:

@@ -242,14 +242,32 @@ def markout_gate(client, name: str, candidate: Run, version, cfg: GateConfig, al
 
 
 def ladder_gate(version) -> dict:
+    """The rungs a model was trained with were proven equivalent: the ladder's by the
+    ladder result it relied on; "stacked" (a sweep's models trained as one stack,
+    flows/sweep.py) by its run's check of this model against its solo training (the
+    version's `stack_check` tag)."""
     rungs = [r for r in version.tags.get("rungs", "none").split(",") if r and r != "none"]
+    stacked = "stacked" in rungs
+    rungs = [r for r in rungs if r != "stacked"]
+    if stacked:
+        check = json.loads(version.tags.get("stack_check") or "null")
+        if not check or not check.get("equivalent"):
+            why = ("trained in a stack without a check against its solo training"
+                   if not check else "trained in a stack, and not equivalent to its solo "
+                   f"training: loss curve {check['loss_max_rel_dev']:.2e}, predictions "
+                   f"{check['pred_rel_l2']:.2e} against the {check['tolerance']}")  # fmt: skip
+            return {"rungs": ["stacked", *rungs], "passed": False, "why": why}
     if not rungs:
-        return {"rungs": [], "passed": True, "why": "trained without GPU optimizations"}
+        return {"rungs": ["stacked"] if stacked else [], "passed": True,
+                "why": "trained stacked, equivalent to its solo training (the run's check)"
+                if stacked else "trained without GPU optimizations"}  # fmt: skip
     proof = json.loads(version.tags.get("ladder_result") or "null") or {}
     proven = set(proof.get("proven", []))
     unproven = [r for r in rungs if r not in proven]
-    return {"rungs": rungs, "ladder_result": proof.get("source"), "passed": not unproven,
+    return {"rungs": (["stacked"] if stacked else []) + rungs,
+            "ladder_result": proof.get("source"), "passed": not unproven,
             "why": "every rung proven equivalent by " + str(proof.get("source"))
+            + (" and the stack by the run's check" if stacked else "")
             if not unproven else f"not proven equivalent: {unproven}"}  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 from pydantic import TypeAdapter
 
 from quantloop.flows.simulate import pooled
+from quantloop.flows.sweep import refit_stacked
 from quantloop.profiling import inference, trainer
 from quantloop.profiling.proof import plan_rungs
 from quantloop.tasks.data.catalog import Catalog
@@ -117,11 +118,13 @@ def _models(client, research, stages) -> list[Check]:
                       m.digest, "") for m in models]  # fmt: skip
     root = research.data.tags[tracking.STORE_TAG]
     train_run = stages["train"].data
-    rungs = [r for r in train_run.tags.get("rungs", "none").split(",") if r and r != "none"]
+    rungs = [r for r in train_run.tags.get("rungs", "none").split(",")
+             if r and r not in ("none", "stacked")]  # fmt: skip
     device = resolve_device(config.device)
     trained_on = train_run.params.get("train.device", "auto")
     plan = plan_rungs(tuple(rungs) if rungs else "none", device, head_dim=config.head_dim)
     checks = []
+    stacks: dict[tuple[str, ...], dict[str, str]] = {}  # a stack trained again once
     for m in models:
         parts = training_part(outputs, m.fold)
         label = f"model fold {m.fold.index}"
@@ -133,11 +136,26 @@ def _models(client, research, stages) -> list[Check]:
                                 "feature nodes in the catalog's current versions)", m.digest,
                                 ""))  # fmt: skip
             continue
+        # the model's own config and rungs as its train run recorded them (a sweep's
+        # settings differ); a run from before that record: the run's
+        cfg = config if m.train is None else TypeAdapter(TrainConfig).validate_python(m.train)
+        own = (
+            plan
+            if m.rungs is None
+            else plan_rungs(
+                tuple(r for r in m.rungs if r != "stacked") or "none", device, head_dim=cfg.head_dim
+            )
+        )
 
-        def weights(parts=parts, fold=m.fold) -> str:
+        def weights(parts=parts, fold=m.fold, cfg=cfg, own=own, lineage=lineage, key=m.key) -> str:
+            if "stack" in lineage:  # trained in a stack (flows/sweep.py): that stack again
+                members = tuple(s["model_key"] for s in lineage["stack"]["members"])
+                if members not in stacks:
+                    stacks[members] = refit_stacked(stage, lineage, outputs)
+                return stacks[members][key]
             tables = {p: o.read() for p, o in parts.items()}
-            return trainer.train_on_features(tables, stage.features, fold, config,
-                                             plan).model_digest  # fmt: skip
+            return trainer.train_on_features(tables, stage.features, fold, cfg,
+                                             own).model_digest  # fmt: skip
 
         check = check_value("model", m.key, f"{label} on {device.type}", m.digest, weights)
         recorded_device = torch.device(load_model(m.url).device).type
@@ -174,6 +192,8 @@ class RecordedFold:
     key: str  # its model's key
     digest: str  # its model's weights digest
     url: str  # its stored model
+    train: dict | None = None  # its TrainConfig as trained (None: recorded before, the run's)
+    rungs: list[str] | None = None  # the rungs it was trained with (None: the train run's)
 
 
 def recorded_folds(client, stages, stage: StageParams) -> list[RecordedFold]:
@@ -189,4 +209,5 @@ def recorded_folds(client, stages, stage: StageParams) -> list[RecordedFold]:
         return [RecordedFold(fold, tags["model_key"], tags["model_digest"],
                              stages["simulate"].data.params["model_url"])]  # fmt: skip
     return [RecordedFold(fold_of(r["window"], r["index"]), r["model_key"], r["model_digest"],
-                         r["model_url"]) for r in recorded]  # fmt: skip
+                         r["model_url"], r.get("train"), r.get("rungs"))
+            for r in recorded]  # fmt: skip

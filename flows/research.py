@@ -23,19 +23,21 @@ from quantloop.flows.features import features as features_flow
 from quantloop.flows.features import placement_metrics
 from quantloop.flows.params import DataSource, ResearchParams  # noqa: F401 - the form
 from quantloop.flows.simulate import simulate as simulate_flow
-from quantloop.flows.train import records_in_background, with_version
+from quantloop.flows.sweep import sweep as sweep_flow
+from quantloop.flows.train import import_inductor_ahead, records_in_background, with_version
 from quantloop.flows.train import train as train_flow
 from quantloop.tasks.data.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.engine import sha256_json, storage
 from quantloop.tasks.records import runs, tracking
 from quantloop.tasks.records.provenance import code_digest, git_commit
-from quantloop.tasks.records.runs import TEST_WINDOWS_TAG
+from quantloop.tasks.records.runs import TEST_WINDOWS_TAG, TRIALS_TAG
 from quantloop.tasks.records.summary import (
     ResearchSummary,
     fold_table,
     markout_table,
     product_table,
     site_table,
+    sweep_table,
     validity_notes,
 )
 from quantloop.tasks.records.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
@@ -167,6 +169,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     t0 = time.perf_counter()
     logger = get_run_logger()
     ws = params.workspace
+    swept = None
     site = ws.resolve_site()
     tracking_block = ws.resolve_tracking()
     client, experiment = tracking.client_for(tracking_block)
@@ -179,6 +182,9 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     partitions = selection.table(ws.catalog()).num_rows
     data_digest = selection.pin  # the digest of exactly the versions landed (and read)
     stage = params.stage(selection)
+    # A training that will compile on a GPU here needs Inductor: imported in a thread
+    # while the run records, computes its features and plans (the trainer waits for it)
+    import_inductor_ahead(stage, params.train)
     # The folds over the landed dates, before any feature is computed: folds that do not
     # fit the dates fail here, naming the validation's fields.
     with timeline.phase("planning"):
@@ -206,9 +212,14 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         WORKSPACE_TAG: ws.model_dump_json(),
     }
     # Trials: how many configurations were evaluated on these held-out data, this one
-    # included; the simulation adjusts the paired p-values for them (Sidak, after Holm).
+    # included (a sweep: each of its settings); the simulation adjusts the paired p-values
+    # for them (Sidak, after Holm).
+    sweeping = params.sweep.active
+    own_trials = params.trial_ids()
+    if sweeping:
+        tags[TRIALS_TAG] = runs.trials_tag(own_trials)
     trials = runs.research_trials(client, experiment, data_digest, tags[TEST_WINDOWS_TAG],
-                                  tags["params_hash"])  # fmt: skip
+                                  own_trials)  # fmt: skip
     with tracking.run(client, experiment, "research", tags=tags) as parent:
         parent.params(
             {
@@ -221,6 +232,12 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 **{f"sim.{k}": v for k, v in asdict(params.simulation).items()},
                 **{f"validation.{k}": v for k, v in asdict(params.validation).items()},
                 "folds": len(planned),
+                **(
+                    {f"sweep.{k}": v for k, v in params.sweep.model_dump(mode="json").items()}
+                    | {"sweep.count": len(own_trials)}
+                    if sweeping
+                    else {}
+                ),
             }
         )
         # Every input, resolved: the form as run, and each product's effective feature
@@ -256,14 +273,27 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
             with records_in_background() as registered:
                 for attempt in (1, 2):
                     try:
-                        feedback.start("train", f"{params.train.steps:,} steps")
-                        with timeline.phase("train"):
-                            trained = train_flow(stage, params.train, parent_run_id=parent.run_id)
-                        feedback.start("simulate", f"{len(selection.products or []):,} products")
-                        with timeline.phase("simulate"):
-                            sim = simulate_flow([f.model_url for f in trained.folds], stage,
-                                                params.simulation, parent_run_id=parent.run_id,
-                                                trials=trials)  # fmt: skip
+                        if sweeping:
+                            feedback.start("train", f"sweep of {len(own_trials)} settings x "
+                                           f"{len(planned)} folds, {params.train.steps:,} "
+                                           "steps each")  # fmt: skip
+                            with timeline.phase("sweep"):
+                                swept = sweep_flow(stage, params.train, params.sweep,
+                                                   params.simulation, parent_run_id=parent.run_id,
+                                                   trials=trials)  # fmt: skip
+                            trained, sim = swept.train, swept.simulate
+                        else:
+                            feedback.start("train", f"{params.train.steps:,} steps")
+                            with timeline.phase("train"):
+                                trained = train_flow(stage, params.train,
+                                                     parent_run_id=parent.run_id)  # fmt: skip
+                            feedback.start(
+                                "simulate", f"{len(selection.products or []):,} products"
+                            )
+                            with timeline.phase("simulate"):
+                                sim = simulate_flow([f.model_url for f in trained.folds], stage,
+                                                    params.simulation, parent_run_id=parent.run_id,
+                                                    trials=trials)  # fmt: skip
                         healed += sim.healed_outputs  # its mark-outs and statistics
                         break
                     except DamagedOutputs as exc:
@@ -285,7 +315,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                         "p-values are adjusted for them; significant at 5%%: %s", trials,
                         ", ".join(survived) or "none")  # fmt: skip
         wall_s = time.perf_counter() - t0
-        sites = site_counts(ws, feats, trained, sim)
+        sites = site_counts(ws, feats, trained, sim, swept)
         parent.tags({"model_digest": trained.model_digest})
         if trained.model_version:
             parent.tags({"registered_model": trained.registered_model,
@@ -312,8 +342,16 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                 "model.pnl_bps": sim.pnl["model"]["total_bps"],
                 "baseline.pnl_bps": sim.pnl["baseline"]["total_bps"],
                 **placement_metrics(sites),
+                **(sweep_metrics(swept) if swept is not None else {}),
             }
         )
+        if swept is not None:
+            parent.tags({"sweep_setting": swept.chosen,
+                         "sweep_label": swept.settings[0]["label"]})  # fmt: skip
+            parent.json({"horizon": swept.horizon, "chosen": swept.chosen,
+                         "trials": swept.trials, "settings": swept.settings,
+                         "stacks": swept.stacks, "check": swept.check},
+                        "sweep.json", "sweep")  # fmt: skip
         run_id = parent.run_id
     summary = ResearchSummary(
         dataset=selection.dataset,
@@ -340,8 +378,14 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
             for p in sim.model
             if p != "total"
         },
-        model_cached=all(f.cache_hit for f in trained.folds),
-        simulation_cached=sim.cache_hit,
+        model_cached=(
+            all(f.cache_hit for f in trained.folds)
+            if swept is None
+            else swept.models_cached == swept.models
+        ),
+        simulation_cached=(
+            sim.cache_hit if swept is None else all(r["simulation_cached"] for r in swept.settings)
+        ),
         folds=len(trained.folds),
         per_fold=fold_rows(trained, sim),
         model_digest=trained.model_digest,
@@ -370,6 +414,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         bytes_across_sites=sum(c["bytes_across"] for c in sites.values()),
         cost=sum(c["cost"] for c in sites.values()),
         sites=sites,
+        **(sweep_fields(swept) if swept is not None else {}),
     )
     links = {
         name: mlflow_link(tracking_block, experiment, rid)
@@ -385,15 +430,41 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     return summary
 
 
-def site_counts(ws, feats, trained, sim) -> dict[str, dict]:
+def sweep_metrics(swept) -> dict[str, float]:
+    """The research run's figures of its sweep: how many settings and models, how many
+    were found by key, and each setting's rank and paired difference at the horizon."""
+    out = {"sweep.settings": len(swept.settings), "sweep.models": swept.models,
+           "sweep.models_cached": swept.models_cached, "sweep.chosen": swept.chosen}  # fmt: skip
+    for row in swept.settings:
+        out[f"sweep.s{row['setting']}.rank"] = row["rank"]
+        if row["diff_bps"] is not None and row["diff_bps"] == row["diff_bps"]:
+            out[f"sweep.s{row['setting']}.diff_bps.{swept.horizon}"] = row["diff_bps"]
+    for i, stack in enumerate(swept.stacks):
+        out[f"sweep.stack{i}.samples_per_s"] = stack["samples_per_s"]
+        out[f"sweep.stack{i}.k"] = stack["k"]
+    return out
+
+
+def sweep_fields(swept) -> dict:
+    """ResearchSummary's sweep fields."""
+    return {"sweep": swept.settings, "sweep_horizon": swept.horizon,
+            "sweep_models": swept.models, "sweep_models_cached": swept.models_cached,
+            "sweep_stacks": swept.stacks, "sweep_check": swept.check}  # fmt: skip
+
+
+def site_counts(ws, feats, trained, sim, swept=None) -> dict[str, dict]:
     """Per site: the feature nodes' counts, then training's and the replay's seconds there
-    and the bytes they read from other sites (a cached stage adds nothing)."""
+    and the bytes they read from other sites (a cached stage adds nothing). A sweep's
+    training: every model it trained (its best setting's replay only)."""
     per_hour = {s.name: s.cost_per_hour for s in ws.resolve_sites()}
     sites = {name: SiteCounts(**counts) for name, counts in feats.sites.items()}
+    train_s = (
+        swept.train_s if swept is not None
+        else sum(f.duration_s for f in trained.folds if not f.cache_hit)
+        if not all(f.cache_hit for f in trained.folds) else None
+    )  # fmt: skip
     stages = (
-        ("train", trained.site,
-         sum(f.duration_s for f in trained.folds if not f.cache_hit)
-         if not all(f.cache_hit for f in trained.folds) else None, trained.bytes_across),
+        ("train", trained.site, train_s, trained.bytes_across),
         ("simulate", sim.site, sim.compute_s, sim.bytes_across),
     )  # fmt: skip
     for stage, name, seconds, across in stages:
@@ -440,6 +511,17 @@ def summary_markdown(summary: ResearchSummary, links: dict[str, str]) -> str:
             "",
             *(f"- {note}" for note in validity_notes(summary)),
             "",
+            *(
+                [
+                    f"## Sweep ({len(summary.sweep)} settings, ranked on the "
+                    f"{summary.sweep_horizon} paired mark-out; the best, above, is the "
+                    "registered model)",
+                    sweep_table(summary).markdown(),
+                    "",
+                ]
+                if summary.sweep
+                else []
+            ),
             f"## Per fold ({summary.folds}: each model replays its own test window)",
             fold_table(summary).markdown(),
             "",

@@ -101,6 +101,8 @@ def simulate(
             adjusted for them.
     """
     logger = get_run_logger()
+    plan = timeline.Chain()
+    plan.switch("simulate: plan")
     site = stage.workspace.resolve_site()
     urls = [model_urls] if isinstance(model_urls, str) else list(model_urls)
     planned = plan_folds(stage)
@@ -115,6 +117,7 @@ def simulate(
         gpu = gpu_client(stage.workspace.resolve_sites(), stack)
         outputs = feature_outputs(stage, prefer=(gpu[0] if gpu else site).name)
         at = gpu[0] if gpu is not None else site
+        plan.close()
 
         def at_site(fn, *args):
             if gpu is None:
@@ -348,17 +351,11 @@ def statistics(merged: dict, config: SimConfig, trials: int, replayed: list) -> 
     """Everything the summary and the records say of the pooled mark-outs, JSON-able: both
     signals' summaries, the paired differences (all trades, equal counts), the P&L, each
     fold's model mark-out and the mark-out curve as a PNG (base64)."""
+    part = timeline.Chain()  # its parts, phases of the run's timeline
+    part.switch("statistics: summaries")
     model_summary = summarize(merged["model"], config.fee_bps)
     base_summary = summarize(merged["baseline"], config.fee_bps)
     keys = config.horizon_keys()
-    figure = plots.markout_curve(
-        {"model": model_summary["total"]["mean_bps"],
-         "baseline": base_summary["total"]["mean_bps"]},
-        {"model": model_summary["total"]["se_bps"], "baseline": base_summary["total"]["se_bps"]},
-    )  # fmt: skip
-    png = io.BytesIO()
-    figure.savefig(png, format="png")
-    plots.close(figure)
     folds = {}
     for fold, _, sim, _ in replayed:
         model = summarize(sim.value["model"], config.fee_bps)["total"]
@@ -367,14 +364,28 @@ def statistics(merged: dict, config: SimConfig, trials: int, replayed: list) -> 
             "baseline_trades": sum(t.num_rows for t in sim.value["baseline"].values()),
             "markout_bps": model["mean_bps"],
         }
+    part.switch("statistics: mark-out curve")
+    figure = plots.markout_curve(
+        {"model": model_summary["total"]["mean_bps"],
+         "baseline": base_summary["total"]["mean_bps"]},
+        {"model": model_summary["total"]["se_bps"], "baseline": base_summary["total"]["se_bps"]},
+    )  # fmt: skip
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    plots.close(figure)
+    part.switch("statistics: paired differences")
+    paired = paired_difference(merged["model"], merged["baseline"], keys, trials=trials)
+    paired_equal = paired_difference(*equal_counts(merged["model"], merged["baseline"]), keys,
+                                     trials=trials)  # fmt: skip
+    part.switch("statistics: P&L")
+    day_pnl = {name: pnl(merged[name], config) for name in ("model", "baseline")}
+    part.close()
     return {
         "model": model_summary,
         "baseline": base_summary,
-        "paired": paired_difference(merged["model"], merged["baseline"], keys, trials=trials),
-        "paired_equal_count": paired_difference(
-            *equal_counts(merged["model"], merged["baseline"]), keys, trials=trials
-        ),
-        "pnl": {name: pnl(merged[name], config) for name in ("model", "baseline")},
+        "paired": paired,
+        "paired_equal_count": paired_equal,
+        "pnl": day_pnl,
         "folds": folds,
         "markout_curve_png": base64.b64encode(png.getvalue()).decode(),
     }

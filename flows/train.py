@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime as dt
+import importlib
 import io
 import json
 import os
@@ -48,7 +49,7 @@ from quantloop.tasks.research.training import (
     resolve_device,
     save_model,
 )
-from quantloop.tasks.runtime import progress, timeline
+from quantloop.tasks.runtime import overlap, progress, timeline
 from quantloop.tasks.runtime.sites import GPU, gpu_client
 
 
@@ -136,6 +137,59 @@ def ladder_results(stage: StageParams) -> list[str]:
 def plan_for(stage: StageParams, config: TrainConfig, device: str | None = None) -> Plan:
     where = torch.device(device) if device else resolve_device(config.device)
     return plan_rungs(config.optimizations, where, ladder_results(stage), head_dim=config.head_dim)
+
+
+# What torch._dynamo.reset() imports before a compiled training where CUDA is available
+# (cudagraph_trees), and the first compile's backend (compile_fx): 3.1 s of an H200
+# research run's train stage (bench/results/turnaround-h200-rows-notes.md). The warm
+# process cannot import them ahead: on the H200 that import initializes CUDA, which a
+# forked child cannot use; the run imports them in a thread while it lands, plans and
+# reads its features (tasks/runtime/overlap.py), and the trainer waits for it.
+INDUCTOR_MODULES = ("torch._inductor.cudagraph_trees", "torch._inductor.compile_fx")
+
+
+def import_inductor_ahead(stage: StageParams, config: TrainConfig) -> bool:
+    """Import Inductor in a thread when this process will compile a training on a GPU
+    (`compiles_here`, decided in the thread too); False when overlap is off."""
+
+    def work() -> None:
+        if compiles_here(stage, config):
+            for module in INDUCTOR_MODULES:
+                importlib.import_module(module)
+
+    return overlap.ahead("inductor", work)
+
+
+def compiles_here(stage: StageParams, config: TrainConfig) -> bool:
+    """Whether the train stage will compile a training in this process on a GPU: no site
+    has Dask workers that could take it, the device is CUDA, the plan compiles, and a
+    fold's model is missing from the store (`models_missing`)."""
+    if any(s.gpus and s.scheduler_address for s in stage.workspace.resolve_sites()):
+        return False
+    if resolve_device(config.device).type != "cuda":
+        return False
+    plan = plan_for(stage, config)
+    return "compile" in plan.rungs and models_missing(stage, config, plan)
+
+
+def models_missing(stage: StageParams, config: TrainConfig, plan: Plan) -> bool:
+    """Whether a fold's model is not stored under the key the train stage will look
+    for, known before the features stage runs: the keys of the planned feature nodes
+    are the keys their outputs are stored under."""
+    planned = plan_features(stage).nodes
+    keys = {
+        Partition.trusted(product, dt.date.fromisoformat(date)): key
+        for key, product, date in zip(
+            *(planned[c].to_pylist() for c in ("key", "product", "date")), strict=True
+        )
+    }
+    root = stage.workspace.resolve_site().root
+    for fold in plan_folds(stage):
+        key = model_key(config, list(training_part(keys, fold).values()),
+                        fold.training_window(), plan.rungs)  # fmt: skip
+        if not storage.exists(storage.join(root, "models", f"{key}.pt")):
+            return True
+    return False
 
 
 def device_type(name: str) -> str:
@@ -234,6 +288,17 @@ def _train(stage, config, parent_run_id, site, stack, logger) -> TrainSummary:
                                       ran_at["site"], plan)  # fmt: skip
         if isinstance(version, Future):  # registered in the background: the caller joins it
             version = None
+    return train_summary(trained, ran_at, run_id, version)
+
+
+def train_summary(
+    trained: list[tuple[Fold, Keyed[TrainResult], dict[Partition, FeatureOutput], int]],
+    ran_at: dict[str, str],
+    run_id: str | None = None,
+    version: ModelVersion | None = None,
+) -> TrainSummary:
+    """The stage's result from its folds' models (oldest first; the last is the one
+    registered) and where training ran ({"site", "worker"})."""
     fold_models = [
         FoldModel(
             index=fold.index,
@@ -316,10 +381,12 @@ def record_lineage(
     outputs: dict[object, FeatureOutput],
     config: TrainConfig,
     fold: Fold,
+    extra: dict | None = None,
 ) -> None:
     """Which feature nodes a model was trained from (its fold's training part), so
     lineage runs both ways, and the fold's window (what it was trained for and tested
-    on; `holdout_fraction` is the intraday cut, None for a fold of whole dates)."""
+    on; `holdout_fraction` is the intraday cut, None for a fold of whole dates). extra:
+    more of how it was made (a stacked model's stack: flows/sweep.py)."""
     record = {
         "model_key": key,
         "model_digest": digest,
@@ -330,6 +397,7 @@ def record_lineage(
         "window": fold.window(),
         "holdout_fraction": fold.holdout_fraction,
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **(extra or {}),
     }
     url = storage.join(root, "lineage", "models", f"{key}.json")
     storage.write_bytes_atomic(url, json.dumps(record, indent=1).encode())
@@ -381,6 +449,7 @@ def _record(
     trained: list[tuple[Fold, Keyed[TrainResult], dict[Partition, FeatureOutput], int]],
     site: str,
     plan: Plan,
+    extra_tags: dict[str, str] | None = None,
 ) -> tuple[str, ModelVersion | Future]:
     """The "train" MLflow child run, with every fold's figures, and the last fold's model
     (trained on the most recent data) as a version in the Model Registry; the version of a
@@ -389,7 +458,8 @@ def _record(
     the registration and the run's end go to a thread: a Future of the version.
 
     The rungs applied and the ladder result they relied on (file, commit, date) are the
-    model's (a cached model keeps those it was trained with); the plan is this run's."""
+    model's (a cached model keeps those it was trained with); the plan is this run's.
+    extra_tags: more tags of the run and the version (a sweep's setting, its check)."""
     last_fold, model, parts, _ = trained[-1]
     result = model.value
     tracking_block = stage.workspace.resolve_tracking()
@@ -411,13 +481,14 @@ def _record(
     run = stack.enter_context(tracking.run(client, experiment, "train", parent=parent_run_id))
     try:
         _record_figures(run, stage, config, outputs, trained, site, plan, digests, validation)
+        run.tags(extra_tags or {})
     except BaseException:
         if not stack.__exit__(*sys.exc_info()):  # the run ends FAILED
             raise
     tags = {**digests, "train_run_id": run.run_id, "research_run_id": parent_run_id,
             "train_config": json.dumps(asdict(config)), "validation": json.dumps(validation),
             "fold_window": window_tag(last_fold), "rungs": ",".join(result.rungs) or "none",
-            "ladder_result": json.dumps(result.ladder_result)}  # fmt: skip
+            "ladder_result": json.dumps(result.ladder_result), **(extra_tags or {})}  # fmt: skip
     example = parts[min(parts)].read()
     source = tracking.source_tags()  # here: the flow run's context is this thread's
 
@@ -427,7 +498,7 @@ def _record(
                 client, tracking_block.resolved_uri(), experiment, run.run_id, result, example,
                 name=tracking_block.candidates, model_key=model.key, tags=tags,
                 log=run,  # its step-0 metrics become the logged model's, sent once at the end
-                source=source,
+                source=source, model_url=model.url,
             )  # fmt: skip
             run.tags({"registered_model": version.name, "model_version": version.version})
             run.dataset(name=stage.selection.dataset, digest=digests["data_digest"],
@@ -498,9 +569,11 @@ def _record_figures(run, stage, config, outputs, trained, site, plan, digests, v
         curve = m.value.loss_curve
         run.series(f"fold{fold.index}.loss", curve,
                    [(i + 1) * config.log_every for i in range(len(curve))])  # fmt: skip
+    # each model's own config and rungs: what `reproduce` trains it with again
     run.json([{"index": fold.index, "window": fold.window(), "model_key": m.key,
                "model_digest": m.value.model_digest, "model_url": m.url,
-               "cache_hit": m.cache_hit, "feature_keys": sorted(o.key for o in p.values())}
+               "cache_hit": m.cache_hit, "feature_keys": sorted(o.key for o in p.values()),
+               "train": asdict(m.value.train_config), "rungs": list(m.value.rungs)}
               for fold, m, p, _ in trained], "folds.json", "folds")  # fmt: skip
     run.file(
         loss_curve_png(stage, model.key, result.loss_curve, config.log_every), "loss_curve.png"

@@ -3,8 +3,8 @@ parameters stacked along a leading model dimension.
 
 Every weight is [K, ...] (torch.func.stack_module_state of K OrderBookNets, same names),
 the batch is [K, B, T, F] (each model its own windows), and each op is the batched form
-of the one OrderBookNet runs: a Linear is one `baddbmm` over the K models, a LayerNorm
-normalizes without its affine part and then scales by each model's own weight, and the
+of the one OrderBookNet runs: a Linear is one `bmm` over the K models, then its bias; a
+LayerNorm normalizes without its affine part and then scales by each model's own weight; the
 attention, which has no weights, runs once over K * B windows. Why not `torch.func.vmap`
 over OrderBookNet itself: it gives the same numbers, but PyTorch has no batching rule for
 the fused attention kernels (`_scaled_dot_product_flash_attention_for_cpu` fell back to a
@@ -30,9 +30,16 @@ LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, as OrderBookNet uses it
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """K Linears at once. x: [K, ..., in]; weight: [K, out, in]; bias: [K, out]."""
+    """K Linears at once. x: [K, ..., in]; weight: [K, out, in]; bias: [K, out].
+
+    A `bmm` and the bias added after it, not `baddbmm(bias, ...)`: cuBLAS's batched GEMM
+    has no bias epilogue, so ATen's baddbmm first copies the bias broadcast to the whole
+    [K, M, out] output (a strided elementwise kernel) and the GEMM then reads it back
+    (beta = 1). On the H200 at K = 16 that copy was the step's largest kernel, 3.1 ms of
+    20.3 (bench/results/sweep-h200.json, top kernels); added after, Inductor fuses the bias
+    into the kernel that reads the GEMM's output."""
     k, n_in = x.shape[0], x.shape[-1]
-    y = torch.baddbmm(bias.unsqueeze(1), x.reshape(k, -1, n_in), weight.transpose(1, 2))
+    y = torch.bmm(x.reshape(k, -1, n_in), weight.transpose(1, 2)) + bias.unsqueeze(1)
     return y.view(*x.shape[:-1], weight.shape[1])
 
 

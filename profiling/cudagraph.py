@@ -15,11 +15,26 @@ executed exactly once, so the trajectory is the same as without the graph.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 
 from quantloop.profiling.streams import Layout
+
+# What the capture forbids of other threads (torch.cuda.graph's capture_error_mode). CUDA's
+# "global" mode, PyTorch's default, makes any thread's potentially unsafe call (an event or
+# stream synchronize, a blocking copy) during the capture invalidate it: rung 6's loader
+# thread waits on its copy events and copies beside the step, so a capture that begins
+# while it is mid-batch fails with "operation failed due to a previous error during
+# capture". It is idle at the capture when its batches are quick to make (batch 256:
+# the ladder's runs), not when each takes longer than an eager step: the top rung at
+# batch 4,096 failed so, the loader thread's own error "operation not permitted when
+# stream is capturing" (bench/results/sweep-h200.md, issue 23), and ran under
+# "thread_local", which checks the capturing thread only: the loader's calls are on its
+# own stream, outside the graph.
+# QUANTLOOP_CAPTURE_ERROR_MODE=global restores PyTorch's default (bench/sweep.py's test).
+CAPTURE_ERROR_MODE = os.environ.get("QUANTLOOP_CAPTURE_ERROR_MODE", "thread_local")
 
 
 class GraphedStep:
@@ -52,7 +67,7 @@ class GraphedStep:
         else:
             if self.graph is None:
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
+                with torch.cuda.graph(self.graph, capture_error_mode=CAPTURE_ERROR_MODE):
                     self.step_fn(self.inputs)
             self.graph.replay()
         self.calls += 1

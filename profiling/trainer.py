@@ -63,7 +63,7 @@ from quantloop.tasks.research.training import (
     torch_threads,
     train_plain,
 )
-from quantloop.tasks.runtime import timeline
+from quantloop.tasks.runtime import overlap, timeline
 from quantloop.tasks.runtime.sites import worker_address
 
 # The code a model trained here depends on besides tasks.training and models (model keys)
@@ -110,6 +110,18 @@ def gil_switch(seconds: float | None) -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(old)
+
+
+def no_compile_workers() -> None:
+    """Inductor without its pool of compile workers for the rest of this process. The
+    compile cache was loaded, so the graphs are found, not compiled; yet the first
+    compile starts the pool (one Python process a core, each importing torch: 16 on an
+    H200 machine) beside the run, and the run's exit waits for it to stop. The setting
+    is not part of Inductor's cache keys (config._cache_config_ignore_prefix); a graph
+    that misses after all compiles in this process."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
 
 
 def warmup_steps(steps: int) -> int:
@@ -228,7 +240,9 @@ def train_prepared(
         log_every=cfg.log_every, eager_steps=W - 1,
         compile_backend=compile_backend or plan.compile_backend,
     )  # fmt: skip
-    torch._dynamo.reset()
+    with timeline.phase("train: dynamo reset (Inductor import)"):
+        overlap.wait("inductor")  # flows/train.import_inductor_ahead, if the run started it
+        torch._dynamo.reset()  # imports Inductor where CUDA is available
     with timeline.phase("train: model and step set-up"):  # the CUDA context's start here
         model = seeded_model(data.model_config, cfg.seed, device)
         training = Training(model, sw, work, settings, device, plain_logger="loss")
@@ -256,6 +270,8 @@ def train_prepared(
             torch_threads(cfg.num_threads),
             gil_switch(GIL_SWITCH_S if cuda else None),
         ):
+            if cuda and cached["state"] == "loaded" and overlap.enabled():
+                no_compile_workers()
             timer.start()
             for step in range(cfg.steps):
                 if step == W:

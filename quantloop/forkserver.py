@@ -26,6 +26,11 @@ What keeps a child the same as an in-process command:
 - Only the user who started the server may use it (SO_PEERCRED); the address is an
   abstract Unix socket, Linux only (elsewhere every command runs in-process).
 
+A command it forked may also hand it a call (tasks/runtime/overlap.call: one of CALLS,
+JSON in and out): the server forks another child that runs the function with the
+command's environment, folder and streams and answers on the command's connection; a
+research run exports its model so, on another core than its own simulation.
+
 QUANTLOOP_FORKSERVER=0 turns it off (every command in-process, nothing started);
 QUANTLOOP_FORKSERVER_IDLE_S (600) is how long an unused server stays;
 `python -m quantloop.forkserver --ping` prints the ready server's pid for this
@@ -56,8 +61,12 @@ IMPORT_ENV_PREFIXES = (
     "TRITON", "DASK_", "PREFECT_", "FSSPEC_", "LC_", "QUANTLOOP_",
 )  # fmt: skip
 IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LANGUAGE", "USER", "PATH")
-# The server's own settings are not part of its address.
-OWN_ENV = ("QUANTLOOP_FORKSERVER", "QUANTLOOP_FORKSERVER_IDLE_S")
+# The server's own settings are not part of its address, nor settings read only while a
+# command runs.
+OWN_ENV = ("QUANTLOOP_FORKSERVER", "QUANTLOOP_FORKSERVER_IDLE_S", "QUANTLOOP_OVERLAP")
+# What a command may hand to a fresh child of its server (tasks/runtime/overlap.call):
+# "module:function" taking and returning JSON.
+CALLS = frozenset({"quantloop.tasks.records.registry:export_stored"})
 # What the server imports before it forks: what a research run imports, less the CLI.
 WARM_MODULES = (
     # first: its exit handler (the run's breakdown) must run after those of the
@@ -246,8 +255,8 @@ def serve(name: str, idle_s: float) -> None:
     for module in WARM_MODULES:
         importlib.import_module(module)
     for call in WARM_CALLS:
-        module, _, name = call.partition(":")
-        getattr(importlib.import_module(module), name)()
+        module, _, function = call.partition(":")
+        getattr(importlib.import_module(module), function)()
     files = _module_files()
     cuda = _cuda_opened()
     if cuda is not None:
@@ -283,6 +292,13 @@ def serve(name: str, idle_s: float) -> None:
             if request.get("stop"):
                 return
             continue
+        target = request.get("call")
+        if target is not None and target not in CALLS:
+            _send(conn, {"error": f"{target!r} is not a call this server runs"})
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
         changed = _changed(files)
         if changed:
             # Release the address first, so the client's new server can take it.
@@ -294,11 +310,16 @@ def serve(name: str, idle_s: float) -> None:
         pid = os.fork()
         if pid == 0:
             listener.close()
-            _child(conn, fds, request)  # never returns
+            if target is not None:
+                _call_child(conn, fds, request)  # never returns
+            _child(conn, fds, request, name)  # never returns
         for fd in fds:
             os.close(fd)
         conn.close()
-        _log(f"pid {pid}: quantloop {request['argv'][0] if request['argv'] else ''}")
+        if target is not None:
+            _log(f"pid {pid}: call {target}")
+        else:
+            _log(f"pid {pid}: quantloop {request['argv'][0] if request['argv'] else ''}")
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -376,30 +397,39 @@ def _log(message: str) -> None:
 # ------------------------------------------------------------------------------- child
 
 
-def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
+def _become(conn: socket.socket, fds: list[int], request: dict) -> None:
+    """Take the client's streams, environment, folder, umask and sys.path, answer with
+    this pid, and die with the client."""
+    os.setsid()  # signals to the server's session do not reach the command
+    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=stream.isatty())
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    os.umask(int(request["umask"]))
+    sys.path[:] = request["path"]
+    _send(conn, {"pid": os.getpid()})
+    _watch_client(conn)
+    _fresh_state(float(request["started"]))
+
+
+def _child(conn: socket.socket, fds: list[int], request: dict, server: str) -> None:
     """Become the client's command: its streams, environment, folder and argv."""
     global IN_CHILD
     IN_CHILD = True
     code = 1
     try:
-        os.setsid()  # signals to the server's session do not reach the command
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        for stream in (sys.stdout, sys.stderr):
-            stream.reconfigure(line_buffering=stream.isatty())
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        os.umask(int(request["umask"]))
-        sys.path[:] = request["path"]
         sys.argv = ["quantloop", *request["argv"]]
-        _send(conn, {"pid": os.getpid()})
-        _watch_client(conn)
-        _fresh_state(float(request["started"]))
+        _become(conn, fds, request)
+        from quantloop.tasks.runtime import overlap
+
+        overlap.SERVER = server  # the command may hand work to a child of this server
         from quantloop.cli import run_app
 
         code = run_app()
@@ -416,6 +446,31 @@ def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
                 stream.flush()
         finally:
             _send(conn, {"exit": code})
+            os._exit(code)
+
+
+def _call_child(conn: socket.socket, fds: list[int], request: dict) -> None:
+    """Run a command's call (tasks/runtime/overlap.call): `module:function(**kwargs)` with
+    the command's streams, environment and folder; its JSON result, or its traceback,
+    goes back on the connection."""
+    code = 1
+    try:
+        _become(conn, fds, request)
+        import importlib
+
+        module, _, name = request["call"].partition(":")
+        result = getattr(importlib.import_module(module), name)(**request["kwargs"])
+        _send(conn, {"result": result})
+        code = 0
+    except BaseException:  # noqa: BLE001 - the child must always answer and exit here
+        import traceback
+
+        _send(conn, {"error": traceback.format_exc()})
+    finally:
+        try:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+        finally:
             os._exit(code)
 
 

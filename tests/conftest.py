@@ -59,6 +59,17 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, len(os.sched_getaffinity(0)) + 1))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist worksteal` (pyproject's addopts) with its first share planned by measured
+    time, a module's tests on one worker, the longest first (tests/scheduling.py)."""
+    if config.getvalue("dist") != "worksteal":
+        return None
+    from tests.scheduling import BalancedWorkStealing
+
+    return BalancedWorkStealing(config, log)
+
+
 @contextlib.contextmanager
 def env_restored(keys: tuple[str, ...]) -> Iterator[None]:
     """The environment variables `keys` as they were before the block, after it."""

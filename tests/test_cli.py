@@ -64,7 +64,10 @@ def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(prefect_api, tm
         "train": {"steps": 10, "batch_size": 32},
         "validation": {"folds": 1},  # two dates fit one walk-forward fold
     }))  # fmt: skip
-    env = servers.prefect_env(tmp_path / "prefect", PREFECT_API_URL=prefect_api, COLUMNS="80")
+    # QUANTLOOP_INLINE_BELOW_S=0: the LocalCluster starts (these 2 small first nodes would
+    # run in the flow's process), so that Dask's lines are there to keep off the console
+    env = servers.prefect_env(tmp_path / "prefect", PREFECT_API_URL=prefect_api, COLUMNS="80",
+                              QUANTLOOP_INLINE_BELOW_S="0")  # fmt: skip
     exe = Path(sys.executable).with_name("quantloop")
     home = tmp_path / "home"
     proc = subprocess.run(

@@ -135,6 +135,38 @@ def test_small_known_work_runs_without_starting_a_cluster(landed):
     )
 
 
+def test_small_first_work_runs_without_a_cluster_when_sized_by_its_input_bytes(landed):
+    """With no history, `unknown_s_per_mb` sizes the work by the nodes' input bytes: under
+    `inline_below_s` it runs in-process, over it (or with an input of unknown length, or
+    without the rate) the cluster is started."""
+    catalog, store = landed
+    connected: list[int] = []
+
+    def connect():
+        connected.append(1)
+        return None  # run_nodes then runs in-process: what is asserted is the call
+
+    kind, nodes, params = plan(catalog)
+    mb = pc.sum(nodes["length"]).as_py() / 1e6
+    assert 0 < mb < 1
+    # 4 nodes of 16-19 KB: expected 0.07 s at 1 s per MB, over a bound of 1e-3 s
+    over = run_nodes(kind, params, nodes, NodeStore(str(store.root) + "-over"),
+                     connect=connect, inline_below_s=1e-3, unknown_s_per_mb=1.0)  # fmt: skip
+    assert connected == [1] and over.computed == 4
+    unsized = run_nodes(kind, params, nodes, NodeStore(str(store.root) + "-unsized"),
+                        connect=connect, inline_below_s=1e9)  # fmt: skip
+    assert connected == [1, 1] and unsized.computed == 4  # no rate: unknown, the cluster
+    unknown = nodes.set_column(nodes.schema.get_field_index("length"), "length",
+                               pa.array([None] * nodes.num_rows, pa.int64()))  # fmt: skip
+    run_nodes(kind, params, unknown, NodeStore(str(store.root) + "-unknown"), connect=connect,
+              inline_below_s=1e9, unknown_s_per_mb=1.0)  # fmt: skip
+    assert connected == [1, 1, 1]  # a length not known: the cluster
+    small = run_nodes(kind, params, nodes, store, connect=connect, inline_below_s=mb * 2,
+                      unknown_s_per_mb=1.0)  # fmt: skip
+    assert connected == [1, 1, 1] and small.computed == 4  # in-process
+    assert small.manifest["output_digest"].equals(over.manifest["output_digest"])
+
+
 def test_partitions_with_identical_content_keep_a_row_each(tmp_path):
     """Two days with the same bytes share a key and an output (content addressing),
     but every node keeps its own manifest row, hit or not."""

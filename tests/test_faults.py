@@ -61,7 +61,10 @@ def test_kill_9_of_a_run_leaves_no_process_and_the_next_run_closes_its_mlflow_ru
     home = tmp_path / "home"
     # The session's Prefect API, as PREFECT_API_URL configures one: not a child of the
     # run, so what the kill must take down is the run's own processes, Dask's.
-    env = servers.prefect_env(tmp_path / "prefect", PREFECT_API_URL=prefect_api)
+    # QUANTLOOP_INLINE_BELOW_S=0: its small first nodes start the LocalCluster, not run in
+    # the flow's process (flows/features.py), so there are Dask processes to outlive it.
+    env = servers.prefect_env(tmp_path / "prefect", PREFECT_API_URL=prefect_api,
+                              QUANTLOOP_INLINE_BELOW_S="0")  # fmt: skip
     exe = Path(sys.executable).with_name("quantloop")
     run = subprocess.Popen(
         [str(exe), "run", "--params", str(params), "--home", str(home), "--workers", "1"],

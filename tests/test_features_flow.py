@@ -21,7 +21,12 @@ DATES = [dt.date(2026, 1, 5), dt.date(2026, 1, 6)]
 
 
 @pytest.mark.slow
-def test_features_flow_runs_and_records_shard_by_shard(prefect_api, tmp_path):
+def test_features_flow_runs_and_records_shard_by_shard(prefect_api, tmp_path, monkeypatch):
+    from quantloop.blocks import Site
+
+    clusters: list[str] = []  # each start of the site's LocalCluster (Site.client)
+    client = Site.client
+    monkeypatch.setattr(Site, "client", lambda site: clusters.append(site.name) or client(site))
     workspace = Workspace(home=str(tmp_path / "home"), n_workers=1)
     root = workspace.resolve_site().root
     catalog = workspace.catalog()
@@ -32,6 +37,9 @@ def test_features_flow_runs_and_records_shard_by_shard(prefect_api, tmp_path):
 
     first = features(stage, shard_size=4)  # shards of 4 and 2 nodes
     assert (first.nodes, first.computed, first.cache_hits, first.failed) == (6, 6, 0, 0)
+    # 6 first nodes of ~4 KB of input each: expected well under INLINE_BELOW_S at
+    # UNKNOWN_S_PER_MB, so they ran in the flow's process, no cluster started
+    assert clusters == []
     assert first.reasons == {"new": 6} and first.compute_s > 0 and first.output_rows == 600
     parts = RunRecords(first.manifest_url).parts()
     assert [storage.read_parquet(p).num_rows for p in parts] == [4, 2]
@@ -49,10 +57,13 @@ def test_features_flow_runs_and_records_shard_by_shard(prefect_api, tmp_path):
     pack = {e.location for e in catalog.entries("d") if e.partition.product == "CCC"}.pop()
     storage.write_bytes_atomic(pack, storage.parquet_bytes(random_book(10, seed=9)))
     changed = stage.model_copy(update={"product_features": {"CCC": {"ofi_window": 12}}})
+    # QUANTLOOP_INLINE_BELOW_S=0: the cluster starts, whatever the expected work
+    monkeypatch.setenv("QUANTLOOP_INLINE_BELOW_S", "0")
     with pytest.raises(NodeFailures, match="(?s)2 of 6 feature nodes failed.*CCC/2026-01-05"):
         features(changed, shard_size=4)
     failed = query(root, status="failed")
     assert (failed.matched, failed.total, failed.cache_hits) == (2, 6, 0)
     assert "does not match its digest" in failed.rows["error"][0].as_py()
+    assert clusters == ["local"]  # started once, for the failing run
     assert set(failed.rows["reason"].to_pylist()) == {"params"}
     assert pc.sum(query(root, limit=10).rows["cache_hit"]).as_py() == 4

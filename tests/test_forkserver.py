@@ -105,6 +105,8 @@ def test_a_different_import_time_variable_is_another_server_and_others_are_not()
     assert forkserver.address(env) != forkserver.address(env | {"OMP_NUM_THREADS": "3"})
     assert forkserver.address(env) != forkserver.address(env | {"PREFECT_HOME": "/elsewhere"})
     assert forkserver.address(env) == forkserver.address(env | {"QUANTLOOP_FORKSERVER": "1"})
+    # read while a command runs, not at import: the same server
+    assert forkserver.address(env) == forkserver.address(env | {"QUANTLOOP_OVERLAP": "0"})
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +116,10 @@ def warm_api(tmp_path_factory, prefect_api):
     interrupt a research run: what they end is the command, not the server."""
     tmp = tmp_path_factory.mktemp("warm-api")
     w = Warm(tmp)
-    w.env = {**servers.prefect_env(tmp / "prefect", PREFECT_API_URL=prefect_api),
+    # QUANTLOOP_INLINE_BELOW_S=0: a run's small first nodes start the LocalCluster (not run
+    # in the flow's process), so that it has Dask processes to interrupt it among
+    w.env = {**servers.prefect_env(tmp / "prefect", PREFECT_API_URL=prefect_api,
+                                   QUANTLOOP_INLINE_BELOW_S="0"),
              **{k: w.env[k] for k in ("QUANTLOOP_FORKSERVER", "QUANTLOOP_FORKSERVER_IDLE_S",
                                       "TMPDIR", "COLUMNS")}}  # fmt: skip
     w.env.pop("XDG_RUNTIME_DIR", None)
@@ -292,3 +297,69 @@ def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(
+    warm, tmp_path, monkeypatch, caplog
+):
+    """tasks/runtime/overlap.call from a command of the server (its address set as the
+    fork sets it): the registration's model export runs in another child of the server,
+    from the stored model, and gives the model the export here gives; a call the server
+    does not list is refused; a child that fails leaves the export to the caller, with a
+    warning; with QUANTLOOP_OVERLAP=0, or no server, the caller is told to do the work
+    itself."""
+    import mlflow.pytorch
+    import numpy as np
+    import torch
+
+    from quantloop.tasks.records import registry
+    from quantloop.tasks.research.training import TrainConfig, save_model, train
+    from quantloop.tasks.runtime import overlap
+    from tests.test_training import SMALL, learnable_table
+
+    table = learnable_table(400, 5)
+    result = train([table], ["a", "b"], ["label_4"], TrainConfig(**SMALL))
+    url = tmp_path / "models" / "m.pt"
+    save_model(result, url)
+    example = registry.windows(result, table, np.array([0, 5, 200, 399]))
+    meta = {"artifact_path": "file:///nowhere", "model_uuid": "m-1", "run_id": "r-1",
+            "model_id": "m-1"}  # fmt: skip
+    monkeypatch.setattr(overlap, "SERVER", forkserver.address(warm.env))
+    there = tmp_path / "there"
+    there.mkdir()
+    registry.export(result, example, str(there / "model"), meta, str(url))
+    [call] = [line for line in warm.lines() if ": call " in line]
+    assert call.endswith("call quantloop.tasks.records.registry:export_stored")
+    monkeypatch.setattr(overlap, "SERVER", None)  # an in-process command: exported here
+    here = tmp_path / "here"
+    here.mkdir()
+    registry.export(result, example, str(here / "model"), meta, str(url))
+    assert len([line for line in warm.lines() if ": call " in line]) == 1
+    x = torch.from_numpy(example)
+    with torch.no_grad():
+        exported = [mlflow.pytorch.load_model(str(d / "model"))(x) for d in (there, here)]
+        assert torch.equal(exported[0], exported[1])
+        assert torch.equal(exported[0], registry.predictor(result)(x))
+    assert sorted(p.name for p in (there / "model").iterdir()) == sorted(
+        p.name for p in (here / "model").iterdir())  # fmt: skip
+
+    monkeypatch.setattr(overlap, "SERVER", forkserver.address(warm.env))
+    with pytest.raises(overlap.CallFailed, match="not a call this server runs"):
+        overlap.call("os:getcwd", {})
+
+    # a child that fails: exported here instead, and said so
+    def failing(target, kwargs):
+        raise overlap.CallFailed("planted")
+
+    monkeypatch.setattr(overlap, "call", failing)
+    fallback = tmp_path / "fallback"
+    fallback.mkdir()
+    with caplog.at_level("WARNING", logger="quantloop.tasks.records.registry"):
+        registry.export(result, example, str(fallback / "model"), meta, str(url))
+    assert "planted" in caplog.text and (fallback / "model" / "MLmodel").exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(overlap, "SERVER", forkserver.address(warm.env))
+    monkeypatch.setenv("QUANTLOOP_OVERLAP", "0")
+    with pytest.raises(overlap.Unavailable, match="QUANTLOOP_OVERLAP=0"):
+        overlap.call("quantloop.tasks.records.registry:export_stored", {})
+    assert len([line for line in warm.lines() if ": call " in line]) == 1

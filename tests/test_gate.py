@@ -263,7 +263,12 @@ def test_research_trials_count_other_configurations_on_the_same_held_out_data(ml
     are not trials on these data; an unfinished run is not counted."""
     from mlflow.tracking import MlflowClient
 
-    from quantloop.tasks.records.runs import TEST_WINDOWS_TAG, research_trials
+    from quantloop.tasks.records.runs import (
+        TEST_WINDOWS_TAG,
+        TRIALS_TAG,
+        research_trials,
+        trials_tag,
+    )
 
     client = MlflowClient(mlflow_uri)
     experiment = client.create_experiment(f"trials-{uuid.uuid4().hex[:8]}")
@@ -284,3 +289,11 @@ def test_research_trials_count_other_configurations_on_the_same_held_out_data(ml
     research("e", finish=False)
     assert research_trials(client, experiment, "pin", "w", "mine") == 3  # a, b and this one
     assert research_trials(client, experiment, "pin", "w", "a") == 2
+    # A sweep is a trial per setting; a setting that is a configuration run alone before
+    # (b) is not another, nor is this run's own setting when it ran in a sweep.
+    run = client.create_run(experiment, tags={
+        "quantloop.stage": "research", "params_hash": "sweep", "data_digest": "pin",
+        TEST_WINDOWS_TAG: "w", TRIALS_TAG: trials_tag(["s1", "s2", "b"])})  # fmt: skip
+    client.set_terminated(run.info.run_id)
+    assert research_trials(client, experiment, "pin", "w", ["mine"]) == 5  # a, b, s1, s2, mine
+    assert research_trials(client, experiment, "pin", "w", ["s1", "s3"]) == 5  # a, b, s1-s3

@@ -51,7 +51,12 @@ def children(client: MlflowClient, run_id: str) -> dict:
 
 
 @pytest.mark.slow
-def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_uri, tmp_path):
+def test_research_records_everything_and_reruns_from_cache(
+    prefect_api, mlflow_uri, tmp_path, monkeypatch
+):
+    # On the LocalCluster, as the module says: these 6 small first nodes would otherwise
+    # run in the flow's process (flows/features.py, QUANTLOOP_INLINE_BELOW_S)
+    monkeypatch.setenv("QUANTLOOP_INLINE_BELOW_S", "0")
     params = tiny_params(tmp_path / "home", mlflow_uri)
     first = research(params)
 
@@ -170,6 +175,21 @@ def test_research_records_everything_and_reruns_from_cache(prefect_api, mlflow_u
     assert (again.registered_model, again.model_version) == (first.registered_model,
                                                              first.model_version)  # fmt: skip
     assert again.markout_bps == first.markout_bps
+    # Whether a run will train is known before its features stage: the train stage's
+    # keys from the planned feature nodes (a GPU run imports Inductor ahead only then)
+    import dataclasses
+
+    from quantloop.flows.train import models_missing, plan_for
+    from quantloop.tasks.runtime.workspace import Selection
+
+    selection = Selection(dataset="synthetic", pin=first.data_digest)
+    stage = params.stage(selection)
+    assert not models_missing(stage, params.train, plan_for(stage, params.train))
+    reseeded = dataclasses.replace(params.train, seed=params.train.seed + 1)
+    assert models_missing(stage, reseeded, plan_for(stage, reseeded))
+    other = tiny_params(tmp_path / "home", mlflow_uri,
+                        product_features={"SYNB": {"ofi_window": 20}}).stage(selection)  # fmt: skip
+    assert models_missing(other, params.train, plan_for(other, params.train))
 
     changed = research(
         tiny_params(tmp_path / "home", mlflow_uri, product_features={"SYNB": {"ofi_window": 20}})

@@ -12,7 +12,13 @@ from quantloop.models import stacked as stacked_model
 from quantloop.models.orderbook import ModelConfig, OrderBookNet
 from quantloop.profiling.config import FP32
 from quantloop.profiling.equivalence import max_rel_dev, rel_l2
-from quantloop.profiling.stacked import Member, StackConfig, train_stacked
+from quantloop.profiling.stacked import (
+    FlatAdamW,
+    Member,
+    StackConfig,
+    kernel_class,
+    train_stacked,
+)
 from quantloop.tasks.research.train_config import TrainConfig
 from quantloop.tasks.research.training import predict, prepare, train_plain
 from tests.test_training import SMALL, learnable_table
@@ -54,10 +60,30 @@ def solo_and_stacked(stack: StackConfig):
         StackConfig(compile=True, compile_backend="aot_eager"),
         StackConfig(packing=True),
         StackConfig(packing=True, compile=True, compile_backend="aot_eager"),
+        # the top rung's step: flat buffers and one AdamW pass over every model (per-model
+        # lr and decay gathered per element), gradients handed over, the step index on
+        # the device (what the CUDA graph replays; no graph on a CPU)
+        StackConfig(packing=True, fused_kernel=True),
+        StackConfig(
+            packing=True,
+            fused_kernel=True,
+            flat_grads=True,
+            compile=True,
+            compile_backend="aot_eager",
+        ),  # fmt: skip
+        StackConfig(fused_kernel=True, flat_grads=True),
         # flex_attention: "FlexAttention does not support backward on CPU" (torch 2.13);
         # bench/sweep.py checks it on the H200
     ],
-    ids=["padded", "padded-compiled", "packed", "packed-compiled"],
+    ids=[
+        "padded",
+        "padded-compiled",
+        "packed",
+        "packed-compiled",
+        "packed-fused",
+        "packed-fused-flat-compiled",
+        "padded-fused-flat",
+    ],
 )
 def test_each_model_of_a_stack_is_the_model_trained_alone(stack):
     """Fixed seeds: the loss curve, the weights and the held-out predictions of every
@@ -105,3 +131,78 @@ def test_members_of_other_shapes_are_refused_by_name():
         train_stacked([ms[0], Member(data=ms[1].data, config=other)])
     with pytest.raises(ValueError, match="at least one member"):
         train_stacked([])
+
+
+def test_the_flat_update_is_torch_adamw_per_model():
+    """FlatAdamW over two stacked models with their own lr and weight decay: each model's
+    slice after 5 steps equals torch.optim.AdamW on that model alone, to float32 rounding
+    (the same operations in the same order; bias corrections in float64 as AdamW's)."""
+    torch.manual_seed(0)
+    K, shapes = 2, {"w": (3, 5), "b": (7,)}
+    start = {n: torch.randn(K, *s) for n, s in shapes.items()}
+    grads = [{n: torch.randn(K, *s) for n, s in shapes.items()} for _ in range(5)]
+    lr, wd = torch.tensor([1e-2, 3e-3]), torch.tensor([1e-2, 0.0])
+    for handoff in (False, True):
+        opt = FlatAdamW({n: t.clone() for n, t in start.items()}, lr, wd, handoff=handoff)
+        for g in grads:
+            opt.zero_grad()
+            for n, leaf in opt.leaves.items():
+                if handoff:
+                    leaf.grad = g[n].clone()
+                else:
+                    leaf.grad.add_(g[n])
+            opt.step()
+        for k in range(K):
+            ref = {n: torch.nn.Parameter(t[k].clone()) for n, t in start.items()}
+            adamw = torch.optim.AdamW(ref.values(), lr=float(lr[k]), weight_decay=float(wd[k]))
+            for g in grads:
+                for n, p in ref.items():
+                    p.grad = g[n][k].clone()
+                adamw.step()
+            for n, p in ref.items():
+                got = opt.leaves[n][k].detach()
+                np.testing.assert_allclose(got.numpy(), p.detach().numpy(), rtol=1e-6, atol=1e-7)
+        # the models moved apart: per-model hyperparameters reached their slices
+        assert not torch.equal(opt.leaves["w"][0], start["w"][0])
+
+
+def test_the_top_stack_on_a_cpu_and_its_switches():
+    top = StackConfig.top(torch.device("cpu"), head_dim=32)
+    assert top.switches() == ("packing", "fused_kernel", "flat_grads")
+    gpu = StackConfig.top(torch.device("cuda"), head_dim=32)
+    assert {"cudagraph", "flex_blocks", "fused_kernel", "flat_grads"} <= set(gpu.switches())
+    assert "flex_attention" not in StackConfig.top(torch.device("cuda"), head_dim=8).switches()
+    with pytest.raises(ValueError, match="flat_grads needs fused_kernel"):
+        StackConfig(flat_grads=True)
+    with pytest.raises(ValueError, match="cudagraph needs fused_kernel"):
+        StackConfig(cudagraph=True, warmup_steps=10)
+    with pytest.raises(ValueError, match="warmup_steps >= 4"):
+        StackConfig(cudagraph=True, fused_kernel=True, warmup_steps=3)
+    with pytest.raises(ValueError, match="cudagraph needs a CUDA device"):
+        train_stacked(members(), StackConfig(cudagraph=True, fused_kernel=True, warmup_steps=4))
+
+
+def test_kernel_classes_by_name_and_phase():
+    assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "forward") == "gemm"
+    assert kernel_class("nvjet_hsh_128x64_64x4_1x2_h_bz_coopA_NTN", "backward") == "gemm"
+    assert kernel_class("triton_tem_fused_flex_attention_0", "forward") == "attention"
+    assert kernel_class("void splitKreduce_kernel<32, 16, int, float>", "backward") == "gemm"
+    assert kernel_class("triton_per_fused_native_layer_norm_3", "forward") == "norms_elementwise"
+    assert kernel_class("triton_poi_fused_add_mul_0", "optimizer") == "optimizer"
+
+
+def test_stacks_of_one_shape_reuse_the_compiled_loss():
+    """reuse_compiled: a second stack of the same shape and switches trains the same models
+    without Dynamo compiling anything again (how bench/sweep.py's check trains its many
+    stacks of one); the default starts from a fresh Dynamo state."""
+    from torch._dynamo.utils import counters
+
+    ms = members()[:2]
+    stack = StackConfig(packing=True, fused_kernel=True, flat_grads=True, compile=True,
+                        compile_backend="aot_eager")  # fmt: skip
+    fresh, _ = train_stacked(ms, stack)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0
+    again, _ = train_stacked(ms, stack, reuse_compiled=True)
+    assert counters["stats"]["unique_graphs"] == compiled  # nothing traced again
+    assert [r.model_digest for r in again] == [r.model_digest for r in fresh]

@@ -111,7 +111,7 @@ def run(
         # import.
         with timeline.phase("imports (flow)"):
             from quantloop.flows.research import research
-            from quantloop.tasks.records.summary import markout_table, validity_notes
+            from quantloop.tasks.records.summary import markout_table, sweep_table, validity_notes
         api.ready()
 
         stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
@@ -139,6 +139,10 @@ def run(
             finally:
                 progress.install(None)
     shown = timeline.TIMELINE.begin("output")
+    if summary.sweep:
+        console.print(rich_table(sweep_table(summary)))
+        console.print(f"best: {summary.sweep[0]['label']}, the registered model; below, its "
+                      "mark-out", soft_wrap=True)  # fmt: skip
     console.print(rich_table(markout_table(summary)))
     for note in validity_notes(summary):
         console.print(note, soft_wrap=True)

@@ -60,6 +60,7 @@ def run_nodes(
     priority: int = 0,
     verify_hits: bool = True,
     inline_below_s: float = 0.0,
+    unknown_s_per_mb: float | None = None,
     no_workers_timeout_s: float | None = None,
 ) -> RunResult:
     """Run the nodes of a plan (NODES_SCHEMA) that are not cached; returns the manifest
@@ -87,7 +88,9 @@ def run_nodes(
     inline_below_s: with `connect` (a cluster to start), run in-process instead when the
       nodes to run are expected, from the kind's history, to take less than this many
       seconds in all: less than starting and stopping the cluster would (a LocalCluster
-      of 2 workers: 2.7 s here). Unknown work (no history) goes to the cluster.
+      of 2 workers: 2.7 s here). Unknown work (no history) goes to the cluster, unless
+      `unknown_s_per_mb` is given: then its expected work is the nodes' input bytes
+      (the plan's "length", all of them known) times that many seconds per MB.
     no_workers_timeout_s: while batches are in flight, a cluster whose scheduler reports
       no workers for longer than this ends the wait: NoWorkers, carrying the manifest
       rows finished so far and the plan rows not run. None: wait as long as Dask does.
@@ -132,7 +135,13 @@ def run_nodes(
         todo = todo.append_column("reason", reasons)
         history_s = typical_node_s(history)
         del history
-        small = history_s is not None and history_s * todo.num_rows < inline_below_s
+        if history_s is not None:
+            expected_s = history_s * todo.num_rows
+        elif unknown_s_per_mb is not None and todo["length"].null_count == 0:
+            expected_s = unknown_s_per_mb * pc.sum(todo["length"]).as_py() / 1e6
+        else:
+            expected_s = None
+        small = expected_s is not None and expected_s < inline_below_s
         if client is None and connect is not None and not small:
             client = connect()
         # Asked of the scheduler, not read from scheduler_info(): distributed 2026.8's

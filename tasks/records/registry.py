@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from quantloop.tasks.records import tracking
-from quantloop.tasks.runtime import timeline
+from quantloop.tasks.runtime import overlap, timeline
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -126,6 +126,7 @@ def register(
     tags: Mapping[str, Any],
     log: tracking.RunLog | None = None,
     source: Mapping[str, str] | None = None,
+    model_url: str | None = None,
 ) -> ModelVersion:
     """Log the model to the run as an MLflow model and register it as a version of
     `name`, its version tagged with `tags` (digests of its data, code and parameters).
@@ -135,14 +136,16 @@ def register(
     metrics too when it sends them (MLflow's log_model links the run's metrics so).
     `uri`: the client's tracking URI (the client's own is what is used). `source`: the
     logged model's source tags (tracking.source_tags()), taken by the caller where it
-    runs in another thread than its flow's (no flow run context there)."""
+    runs in another thread than its flow's (no flow run context there). `model_url`: where
+    the model is stored (save_model), so a warm process's child can export it (`export`)."""
     found = find_version(client, name, model_key)
     if found is not None:
         return found
     with timeline.timed("registration"):
         return _register(client, experiment_id, run_id, result, example_table, name=name,
                          model_key=model_key, tags=tags, log=log,
-                         source=tracking.source_tags() if source is None else source)  # fmt: skip
+                         source=tracking.source_tags() if source is None else source,
+                         model_url=model_url)  # fmt: skip
 
 
 def _register(
@@ -157,17 +160,12 @@ def _register(
     tags: Mapping[str, Any],
     log: tracking.RunLog | None,
     source: Mapping[str, str],
+    model_url: str | None = None,
 ) -> ModelVersion:
-    import mlflow.pytorch
-    import torch
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
-    from mlflow.models import Model, infer_signature
 
-    model = predictor(result)
     anchors = np.linspace(0, example_table.num_rows - 1, EXAMPLE_WINDOWS).astype(np.int64)
     example = windows(result, example_table, anchors)
-    with torch.no_grad():
-        out = model(torch.from_numpy(example)).numpy()
     version_tags = {MODEL_KEY_TAG: model_key, **{k: str(v) for k, v in tags.items()}}
     # Made in the run's experiment, as the run's output (the experiment's and the run's
     # pages list it), with the tags MLflow's own logging gives a model.
@@ -178,14 +176,9 @@ def _register(
     try:
         with tempfile.TemporaryDirectory(prefix="quantloop-model-") as tmp:
             local = os.path.join(tmp, "model")
-            mlflow.pytorch.save_model(
-                model, local,
-                mlflow_model=Model(artifact_path=logged.artifact_location,
-                                   model_uuid=logged.model_id, run_id=run_id,
-                                   model_id=logged.model_id),
-                signature=infer_signature(example, out), input_example=example,
-                pip_requirements=requirements(), serialization_format="pt2",
-            )  # fmt: skip
+            meta = {"artifact_path": logged.artifact_location, "model_uuid": logged.model_id,
+                    "run_id": run_id, "model_id": logged.model_id}  # fmt: skip
+            export(result, example, local, meta, model_url)
             _upload_folder(client, logged.artifact_location, local)
         client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
         client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
@@ -199,6 +192,65 @@ def _register(
     _logger.info("registered %s version %s (logged model %s)", name, version.version,
                  logged.model_id)  # fmt: skip
     return version
+
+
+def export(
+    result: TrainResult,
+    example: np.ndarray,
+    local: str,
+    meta: Mapping[str, str],
+    model_url: str | None = None,
+) -> None:
+    """The model as an MLflow model folder at `local` (torch.export's format, its
+    signature and input example from `example`; `meta`: the logged model's ids and
+    artifact location). Where the command runs in a warm process's child and the model
+    is stored at `model_url`, a fresh child of that process exports it from the store
+    (tasks/runtime/overlap.call): torch.export's seconds of tracing then run on another
+    core instead of beside the simulation in this interpreter (on an H200 they slowed
+    its replay by ~2 s). Elsewhere, where no such child can be had, and where the child
+    fails (a warning with its traceback), it is exported here from the trained model."""
+    if model_url is not None and overlap.available():
+        example_path = os.path.join(os.path.dirname(local), "example.npy")
+        np.save(example_path, example)
+        try:
+            with timeline.timed("registration: export in a warm child"):
+                overlap.call(f"{__name__}:export_stored", {
+                    "model_url": model_url, "example": example_path, "local": local,
+                    "meta": dict(meta),
+                })  # fmt: skip
+            return
+        except overlap.Unavailable as exc:
+            _logger.info("the model is exported here: %s", exc)
+        except overlap.CallFailed as exc:  # the export here is the reference: the run goes on
+            _logger.warning("the model's export in a warm process's child failed; exported "
+                            "here instead: %s", exc)  # fmt: skip
+    save_exported(predictor(result), example, local, meta)
+
+
+def export_stored(model_url: str, example: str, local: str, meta: dict[str, str]) -> dict:
+    """`export` in a warm process's child (forkserver.CALLS): the stored model, its
+    weights checked against their digest (load_model), exported as `export` would
+    export the trained one."""
+    from quantloop.tasks.research.training import load_model
+
+    save_exported(predictor(load_model(model_url, "cpu")), np.load(example), local, meta)
+    return {"files": sorted(os.listdir(local))}
+
+
+def save_exported(
+    model: Predictor, example: np.ndarray, local: str, meta: Mapping[str, str]
+) -> None:
+    import mlflow.pytorch
+    import torch
+    from mlflow.models import Model, infer_signature
+
+    with torch.no_grad():
+        out = model(torch.from_numpy(example)).numpy()
+    mlflow.pytorch.save_model(
+        model, local, mlflow_model=Model(**meta),
+        signature=infer_signature(example, out), input_example=example,
+        pip_requirements=requirements(), serialization_format="pt2",
+    )  # fmt: skip
 
 
 def _create_version(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from quantloop.tasks.records.tracking import PARENT_TAG, STORE_TAG
@@ -104,7 +105,7 @@ def count_trials(client: MlflowClient, experiment_id: str, data_digest: str, win
             except (LookupError, KeyError, ValueError):  # no model, or no record of it
                 continue
             if held == window:
-                seen.add(run.data.tags.get("params_hash") or run.info.run_id)
+                seen |= trial_ids(run)
         token = page.token
         if not token:
             break
@@ -112,26 +113,48 @@ def count_trials(client: MlflowClient, experiment_id: str, data_digest: str, win
 
 
 TEST_WINDOWS_TAG = "test_windows"  # the research run's validation, hashed (flows/research.py)
+# A sweep's configurations: each setting's digest as a run of it alone would have it
+# (flows/params.ResearchParams.trial_ids), TRIAL_ID_CHARS characters each, comma-joined.
+TRIALS_TAG = "quantloop.trials"
+TRIAL_ID_CHARS = 16
+
+
+def trial_ids(run: Run) -> set[str]:
+    """The configurations a research run evaluated: a sweep's settings (TRIALS_TAG), else
+    its parameters' digest (tag `params_hash`), else the run itself."""
+    tags = run.data.tags
+    if tags.get(TRIALS_TAG):
+        return set(tags[TRIALS_TAG].split(","))
+    return {(tags.get("params_hash") or run.info.run_id)[:TRIAL_ID_CHARS]}
+
+
+def trials_tag(ids: Sequence[str]) -> str:
+    """TRIALS_TAG's value for these configurations' digests."""
+    return ",".join(i[:TRIAL_ID_CHARS] for i in ids)
 
 
 def research_trials(
     client: MlflowClient, experiment_id: str, data_digest: str, test_windows: str,
-    params_hash: str,
+    own: str | Sequence[str],
 ) -> int:  # fmt: skip
     """How many configurations a research run's result was chosen among: the finished
     research runs of the experiment on the same data pin and test windows (its validation:
-    tag TEST_WINDOWS_TAG) with other parameters (one per `params_hash`: a re-run is not
-    another trial), and this run. One search call (runs from before the tag: not counted)."""
+    tag TEST_WINDOWS_TAG) with other parameters (one per `params_hash`, or per setting of
+    a sweep: a re-run is not another trial), and this run's own (`own`: its configurations'
+    digests, ResearchParams.trial_ids: one, or a sweep's settings). One search call (runs
+    from before the tag: not counted)."""
     where = (f"tags.data_digest = '{data_digest}' and tags.{TEST_WINDOWS_TAG} = "
              f"'{test_windows}' and attributes.status = 'FINISHED'")  # fmt: skip
-    seen = {params_hash}
+    seen = {i[:TRIAL_ID_CHARS] for i in ([own] if isinstance(own, str) else own)}
     token = None
     while True:
         page = client.search_runs([experiment_id], filter_string=where, max_results=1000,
                                   page_token=token)  # fmt: skip
-        seen |= {r.data.tags["params_hash"] for r in page
-                 if r.data.tags.get("quantloop.stage") == "research"
-                 and r.data.tags.get("params_hash")}  # fmt: skip
+        for r in page:
+            if r.data.tags.get("quantloop.stage") == "research" and (
+                r.data.tags.get("params_hash") or r.data.tags.get(TRIALS_TAG)
+            ):
+                seen |= trial_ids(r)
         token = page.token
         if not token:
             return len(seen)

@@ -143,6 +143,32 @@ class ResearchSummary(BaseModel):
         description="Per site: feature nodes, computed, compute_s (feature nodes), train_s, "
         "simulate_s, bytes_across, cost.",
     )
+    sweep: list[dict] = Field(
+        default_factory=list,
+        description="A sweep's settings, best first (empty: no sweep): rank, setting (its "
+        "place in the sweep), label, train (the swept fields), diff_bps and diff_se_bps (the "
+        "setting's model minus the baseline at sweep_horizon, paired, all folds pooled), "
+        "p_adjusted (Holm over horizons, Sidak over `trials`: every setting is a trial), "
+        "significant, markout_bps, markout_se_bps, trades, per fold: model_keys, "
+        "model_digests, final_loss, per_fold_markout_bps. The figures above the sweep are "
+        "the best setting's; its last fold's model is the registered one.",
+    )
+    sweep_horizon: str | None = Field(
+        default=None, description="The mark-out horizon a sweep's settings are ranked on."
+    )
+    sweep_models: int = Field(default=0, description="A sweep's (setting, fold) models.")
+    sweep_models_cached: int = Field(default=0, description="Of them, found by their key.")
+    sweep_stacks: list[dict] = Field(
+        default_factory=list,
+        description="The stacks a sweep trained in this run: k (models), shape, rungs, "
+        "members, duration_s, warmup_s, step_ms, samples_per_s (all models, after the "
+        "warm-up), peak_mem_gb, gpu_util.",
+    )
+    sweep_check: dict | None = Field(
+        default=None,
+        description="The registered model (trained stacked) against the same model trained "
+        "alone: equivalent, loss_max_rel_dev, pred_rel_l2, tolerance.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +358,27 @@ def fold_table(summary: ResearchSummary) -> TextTable:
         rows,
         [False, False, False] + [True] * (len(columns) - 3),
     )
+
+
+def sweep_table(summary: ResearchSummary) -> TextTable:
+    """A sweep's settings, best first: the paired difference from the baseline at the
+    ranking horizon with its SE and adjusted p-value, the model's own mark-out there,
+    its trades, and whether its models were found by key."""
+    h = summary.sweep_horizon or ""
+
+    def p(value: float | None) -> str:
+        value = _nan(value)
+        return "n/a" if math.isnan(value) else f"{value:.3g}"
+
+    rows = [[str(r["rank"]), r["label"], _bps(r.get("diff_bps")),
+             _se(r.get("diff_se_bps")) + ("*" if r.get("significant") else ""),
+             p(r.get("p_adjusted")), _bps(r.get("markout_bps")), f"{r['trades']:,}",
+             "yes" if r.get("models_cached") else "no"]
+            for r in summary.sweep]  # fmt: skip
+    columns = ["rank", "setting", f"diff {h}", "± SE", "p adj.", f"model {h}", "trades",
+               "cached"]  # fmt: skip
+    return TextTable(f"Sweep: settings ranked on the paired {h} mark-out (bps)", columns, rows,
+                     [False, False] + [True] * 5 + [False])  # fmt: skip
 
 
 def product_table(summary: ResearchSummary) -> TextTable:

@@ -15,6 +15,7 @@ Importing this module imports no MLflow (that is ~1.3 s): the first client does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import getpass
@@ -216,9 +217,10 @@ def end_run(client: MlflowClient, run_id: str, status: str) -> None:
         try:
             client.set_terminated(run_id, status)
         finally:
-            if before is None:
-                os.environ.pop(name, None)
-            else:
+            # Never removed once set: runs end on background threads, and a variable
+            # removed while another thread iterates os.environ (httpx reading proxies
+            # as Prefect makes a client) raised KeyError there and failed the run.
+            if before is not None:
                 os.environ[name] = before
 
 
@@ -644,3 +646,55 @@ def run(
         raise
     with mlflow_call():
         end_run(client, log.run_id, "FINISHED")
+
+
+# ---------------------------------------------------------------- many child runs
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ChildRun:
+    """A child run to record whole: a sweep's (setting, fold), say."""
+
+    name: str  # its run name (the Prefect flow run's name is appended, as run() does)
+    stage: str  # its quantloop.stage tag
+    tags: Mapping[str, Any]
+    params: Mapping[str, Any]
+    metrics: Mapping[str, float]
+    series: Mapping[str, tuple[list[float], list[int]]]  # name -> (values, steps)
+
+
+def child_runs(
+    client: MlflowClient, experiment_id: str, parent: str, children: list[ChildRun]
+) -> list[Future]:
+    """Record each child of `parent` (MLflow's nested runs: tag mlflow.parentRunId) on the
+    background senders, a Future each: made with its tags, then its params, metrics and
+    series in batches (one log_batch for up to 100 params and 1,000 values), then ended
+    FINISHED; three calls a run, the runs side by side on SENDERS threads (a call is
+    ~66 ms). A child that fails to send ends
+    FAILED and its Future raises."""
+    prefect = _prefect_tags()  # from this thread's flow run: the senders have none
+    common = {**_owner_tags(), **source_tags(prefect), **prefect, PARENT_TAG: parent}
+    suffix = f"-{prefect['prefect_flow_run_name']}" if prefect else ""
+
+    def record(child: ChildRun) -> str:
+        tags = {**common, "mlflow.runName": child.name + suffix, "quantloop.stage": child.stage,
+                **child.tags}  # fmt: skip
+        with mlflow_call():
+            created = client.create_run(experiment_id, run_name=child.name + suffix,
+                                        tags={k: str(v) for k, v in tags.items()})  # fmt: skip
+        log = RunLog(client, created.info.run_id)
+        try:
+            log.params(child.params)
+            log.metrics({k: v for k, v in child.metrics.items() if v == v})  # no NaN
+            for name, (values, steps) in child.series.items():
+                log.series(name, values, steps)
+            log.flush()
+        except BaseException:
+            with contextlib.suppress(Exception), mlflow_call():
+                end_run(client, log.run_id, "FAILED")
+            raise
+        with mlflow_call():
+            end_run(client, log.run_id, "FINISHED")
+        return log.run_id
+
+    return [senders().submit(record, child) for child in children]

@@ -1,0 +1,107 @@
+"""tasks/runtime/overlap.py: work started ahead in a thread, joined where it is needed;
+its seconds a total of the run's timeline; off with QUANTLOOP_OVERLAP=0. (Calls handed
+to the warm process: tests/test_forkserver.py.)"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from quantloop.tasks.runtime import overlap, timeline
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setattr(overlap, "_ahead", {})
+
+
+def test_work_ahead_runs_in_a_thread_once_and_is_waited_for():
+    started, release = threading.Event(), threading.Event()
+    ran = []
+
+    def work():
+        started.set()
+        release.wait(10)
+        ran.append(threading.current_thread().name)
+
+    assert overlap.ahead("t1", work)
+    assert started.wait(10) and ran == []  # the caller went on meanwhile
+    assert overlap.ahead("t1", lambda: ran.append("again"))  # once a process
+    threading.Timer(0.2, release.set).start()
+    waited = overlap.wait("t1")
+    assert ran == ["ahead-t1"] and 0.1 < waited < 10
+    assert timeline.TIMELINE.totals["ahead: t1"][1] == 1
+    assert overlap.wait("never started") is None
+
+
+def test_a_failure_ahead_is_left_to_the_callers_own_path():
+    def work():
+        raise RuntimeError("boom")
+
+    assert overlap.ahead("t2", work)
+    assert overlap.wait("t2") is not None  # joined, nothing raised here
+
+
+def test_off_runs_nothing(monkeypatch):
+    monkeypatch.setenv("QUANTLOOP_OVERLAP", "0")
+    ran = []
+    assert not overlap.ahead("t3", lambda: ran.append(1))
+    time.sleep(0.05)
+    assert ran == [] and overlap.wait("t3") is None
+    assert not overlap.available()
+    with pytest.raises(overlap.Unavailable):
+        overlap.call("quantloop.tasks.records.registry:export_stored", {})
+
+
+def test_no_call_outside_a_warm_process_command(monkeypatch):
+    monkeypatch.setattr(overlap, "SERVER", None)
+    assert not overlap.available()
+    with pytest.raises(overlap.Unavailable, match="not a command of a warm process"):
+        overlap.call("quantloop.tasks.records.registry:export_stored", {})
+
+
+def test_the_environment_is_copied_whole_while_another_thread_changes_it(monkeypatch):
+    """The warm process's child gets this process's environment: copied in one step,
+    while a thread sets and removes a variable (iterating os.environ then can raise
+    KeyError: a removed key's value is read after the keys)."""
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            os.environ["QUANTLOOP_TEST_CHURN"] = "1"
+            os.environ.pop("QUANTLOOP_TEST_CHURN", None)
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        for _ in range(3000):
+            env = overlap.environment()
+            assert env.get("PATH") == os.environ["PATH"]
+    finally:
+        stop.set()
+        thread.join()
+    assert overlap.environment() == dict(os.environ)
+
+
+def test_ending_a_run_removes_no_variable(monkeypatch):
+    """tracking.end_run sets MLflow's switch for its call and never removes it: runs end
+    on background threads, and a removal raced Prefect's read of os.environ (KeyError,
+    a failed research run on this VM)."""
+    from quantloop.tasks.records import tracking
+
+    name = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+    monkeypatch.delenv(name, raising=False)
+    seen = []
+
+    class Client:
+        def set_terminated(self, run_id, status):
+            seen.append((run_id, status, os.environ.get(name)))
+
+    tracking.end_run(Client(), "r1", "FINISHED")
+    assert seen == [("r1", "FINISHED", "true")] and os.environ[name] == "true"
+    monkeypatch.setenv(name, "false")  # a value of the user's own is put back
+    tracking.end_run(Client(), "r2", "FINISHED")
+    assert seen[-1][2] == "true" and os.environ[name] == "false"
