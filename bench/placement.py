@@ -69,7 +69,15 @@ IP = {"A": "10.213.0.1", "B": "10.213.0.2"}
 VETH = {"A": "qlb-va", "B": "qlb-vb"}
 S3_PORT, SCHEDULER_PORT = 9000, 8786
 DATA_BUCKET = "ql-bench-data"
-PRODUCTS = {"A": ["AAA", "AAB", "AAC", "AAD"], "B": ["BBA", "BBB", "BBC", "BBD"]}
+LETTERS = "ABCDEFGHIJKLMNOP"
+
+
+def products(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The products landed at each site: `--at-a` of `--products` at A, the rest at B."""
+    at_b = args.products - args.at_a
+    return {"A": [f"AA{c}" for c in LETTERS[: args.at_a]], "B": [f"BB{c}" for c in LETTERS[:at_b]]}
+
+
 COST_PER_HOUR = {"A": 2.0, "B": 3.0}  # illustrative: on-prem vs cloud
 WAIT_S = 120  # the longest any start may take
 RUN_TIMEOUT_S = 3600  # the longest the driver may take
@@ -182,6 +190,7 @@ def outer(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="ql-placement-"))
     me = [py, str(Path(__file__).resolve()), "--work", str(work), "--events", str(args.events),
           "--dates", str(args.dates), "--link-mbit", str(args.link_mbit),
+          "--products", str(args.products), "--at-a", str(args.at_a),
           "--steps", str(args.steps), "--horizon", args.horizon,
           "--repeats", str(args.repeats)]  # fmt: skip
     procs: list[subprocess.Popen] = []
@@ -252,6 +261,7 @@ def report(result: dict, args: argparse.Namespace) -> None:
         f"(one {result['probe_bytes'] / 1e6:.1f} MB GET of a B partition from namespace A).",
         f"Data: {result['partitions']} partitions of {result['events_per_partition']:,} events, "
         f"{result['input_bytes'] / 1e6:.1f} MB ({result['input_bytes_at']['B'] / 1e6:.1f} MB at "
+        f"B: {len(result['products']['A'])} products at A, {len(result['products']['B'])} at "
         f"B), landed at both sites at once in {result['landing_s']:.1f} s; one Dask worker "
         f"per site; training ({result['train']['steps']} steps) and the replay at B, the GPU "
         "site (on its CPU here).",
@@ -365,7 +375,8 @@ def land(site: str, args: argparse.Namespace) -> None:
         root = f"s3://{DATA_BUCKET}/data"
     else:
         root = str(args.work / "a-data")
-    land_synthetic(catalog, root, PRODUCTS[site], dates(args.dates), synthetic(args), site=site)
+    land_synthetic(catalog, root, products(args)[site], dates(args.dates), synthetic(args),
+                   site=site)  # fmt: skip
 
 
 def sites_for(name: str, work: Path):
@@ -485,7 +496,8 @@ def one_run(name: str, policy: str, repeat: int, args, home: str, clients: dict)
 
     a, b = sites_for(f"{name}-{repeat}", args.work)
     ws = Workspace(home=home, site=a, sites=[b], placement=policy)
-    params = research_params(ws, PRODUCTS["A"] + PRODUCTS["B"], args, args.steps)
+    at = products(args)
+    params = research_params(ws, at["A"] + at["B"], args, args.steps)
     t0 = time.perf_counter()
     cold = research(params)
     cold_s = time.perf_counter() - t0
@@ -583,6 +595,7 @@ def drive(args: argparse.Namespace) -> None:
         "input_bytes": sum(at.values()),
         "input_bytes_at": at,
         "events_per_partition": args.events,
+        "products": products(args),
         "cost_per_hour": COST_PER_HOUR,
         "train": {**MODEL, "steps": args.steps},
         "horizon": args.horizon,
@@ -628,6 +641,8 @@ def main() -> None:
     parser.add_argument("--link-mbit", type=float, default=100.0)
     parser.add_argument("--events", type=int, default=100_000, help="events per partition")
     parser.add_argument("--dates", type=int, default=4, help="dates per product")
+    parser.add_argument("--products", type=int, default=8, help="products, at both sites")
+    parser.add_argument("--at-a", type=int, default=4, help="of which landed at A (the rest at B)")
     parser.add_argument("--steps", type=int, default=300, help="training steps")
     parser.add_argument("--horizon", default="5s", help="the promotion gate's horizon")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each policy (medians)")
@@ -636,6 +651,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--role", default="outer", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not 0 < args.at_a < args.products <= len(LETTERS):
+        parser.error(f"--at-a must leave products at both sites (1 to {args.products - 1})")
     if args.role == "outer":
         outer(args)
     elif args.role.startswith("land-"):
