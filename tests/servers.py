@@ -155,19 +155,26 @@ def prefect_env(home: Path, **settings: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def prefect_server(
-    folder: Path, timeout: float = 120, auth_string: str | None = None, port: int | None = None
+    folder: Path,
+    timeout: float = 120,
+    auth_string: str | None = None,
+    port: int | None = None,
+    database: str | None = None,
 ) -> Iterator[str]:
     """`prefect server start` on a free loopback port, SQLite under `folder`; yields the API URL.
     With `auth_string` ("user:password") every API request must carry it. A given port
-    (and folder) restarts a stopped server on its database.
+    (and folder) restarts a stopped server on its database. `database`: a PostgreSQL
+    database for its store instead (postgresql+asyncpg://...), as a desk runs it.
 
-    Its start takes 15-30 s (migrations, services); the log is `folder/prefect-server.log`.
+    Its start takes 15-30 s on SQLite (migrations, services), ~4 s on PostgreSQL here;
+    the log is `folder/prefect-server.log`.
     """
     folder.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     env = prefect_env(
         folder / "server-home",
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
+        PREFECT_API_DATABASE_CONNECTION_URL=database
+        or f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
         **({"PREFECT_SERVER_API_AUTH_STRING": auth_string} if auth_string else {}),
     )
     prefect_db.seed(env)  # as the resident API and `quantloop serve` start theirs
@@ -195,11 +202,14 @@ def prefect_worker(
     folder: Path,
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = (),
+    name: str | None = None,
 ) -> Iterator[subprocess.Popen]:
     """`prefect worker start --type process` polling `pool` every second; yields the process.
 
     Flow runs it picks up run as its child processes and inherit its environment
-    (`env` adds to it); the log, flow runs' output included, is `folder/prefect-worker.log`.
+    (`env` adds to it, and replaces what it names, HOME or TMPDIR included); the log,
+    flow runs' output included, is `folder/prefect-worker.log`. `name`: the worker's name
+    in the pool (default `<pool>-test-worker`; workers of one pool need their own).
     """
     folder.mkdir(parents=True, exist_ok=True)
     worker_env = prefect_env(
@@ -213,7 +223,7 @@ def prefect_worker(
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "prefect", "worker", "start",
-            "--pool", pool, "--type", "process", "--name", f"{pool}-test-worker", *args,
+            "--pool", pool, "--type", "process", "--name", name or f"{pool}-test-worker", *args,
         ],
         stdout=log, stderr=subprocess.STDOUT, env=worker_env,
     )  # fmt: skip
