@@ -33,7 +33,6 @@ from quantloop.tasks.research.sited import (  # noqa: F401 - CHECK_SUFFIX: where
     CHECK_SUFFIX,
     SiteOutputs,
     load_checked,
-    replay_and_store,
     save_checked,
 )
 from quantloop.tasks.research.stage import (
@@ -316,7 +315,7 @@ def _replay(stage, config, urls, planned, sited, stack, logger, down, spent, pla
             t0 = time.perf_counter()
             # stored at `url`, at the site that replays it
             merged, stats, ran["worker"], digest, length = where.run(
-                replay_and_store, model_url, stage, config, local, fold, url
+                replay.replay_and_store, model_url, stage, config, local, fold, url
             )
             ran["stats"].append(stats)
             ran["compute_s"] = (ran["compute_s"] or 0.0) + time.perf_counter() - t0

@@ -30,7 +30,7 @@ from quantloop.tasks.records.provenance import code_digest
 from quantloop.tasks.research import folds, training
 from quantloop.tasks.research.folds import Fold
 from quantloop.tasks.research.form import TrainForm
-from quantloop.tasks.research.sited import SiteOutputs, at_front, device_type, fit_and_store
+from quantloop.tasks.research.sited import SiteOutputs, at_front, device_type
 from quantloop.tasks.research.stage import (
     FeatureOutput,
     Keyed,
@@ -265,7 +265,7 @@ def _train(stage, config, parent_run_id, site, stack, logger, down, spent) -> Tr
             spent[at.name] = spent.get(at.name, 0) + copied[0]
             outputs.update(local)  # later folds read the copies
             # stored at `url`, at the site that trains it
-            result, worker, digest, length = where.run(fit_and_store, at_front(stage, at),
+            result, worker, digest, length = where.run(trainer.fit_and_store, at_front(stage, at),
                                                        config, plan, local, fold, url)  # fmt: skip
             ran_at["worker"] = worker
             return result, digest, length

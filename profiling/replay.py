@@ -10,8 +10,10 @@ import pyarrow as pa
 
 from quantloop.profiling.inference import InferenceStats, Predictor, forward_rungs, mode_name
 from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.engine import storage
 from quantloop.tasks.research.folds import Fold
-from quantloop.tasks.research.simulation import SimConfig, replay_all
+from quantloop.tasks.research.simulation import SimConfig, replay_all, stack_markouts
+from quantloop.tasks.research.sited import save_checked
 from quantloop.tasks.research.stage import FeatureOutput, StageParams, read_outputs
 from quantloop.tasks.research.training import load_model, resolve_device, stored_model
 from quantloop.tasks.runtime import timeline
@@ -51,3 +53,12 @@ def replay_stage(
     with timeline.phase("simulate: predict and mark out"):
         merged = replay_all(predictor, tables, config, fold)
     return merged, predictor.stats, worker_address()
+
+
+def replay_and_store(model_url: str, stage, config, parts, fold, url: str) -> tuple:
+    """Replay a fold (replay_stage) and store its mark-outs at `url`, at the site where
+    this runs (tasks/research/sited). Returns the mark-outs, the prediction's counts, the
+    worker, and the stored file's sha256 and size."""
+    merged, stats, worker = replay_stage(model_url, stage, config, parts, fold)
+    digest, length = save_checked(url, storage.parquet_bytes(stack_markouts(merged)))
+    return merged, stats, worker, digest, length

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -47,6 +48,7 @@ from quantloop.profiling.proof import Plan, plan_rungs
 from quantloop.profiling.rungs import Switches
 from quantloop.profiling.workload import TrainingSet, Windows
 from quantloop.tasks.data.schema import Partition
+from quantloop.tasks.engine import storage
 from quantloop.tasks.engine.keys import code_fingerprint
 from quantloop.tasks.research import training as training_module
 from quantloop.tasks.research.features import FeatureParams, feature_set
@@ -57,6 +59,7 @@ from quantloop.tasks.research.training import (
     TrainingData,
     TrainResult,
     interval_means,
+    model_bytes,
     model_digest,
     prepare,
     resolve_device,
@@ -323,3 +326,14 @@ def train_prepared(
         ladder_result=plan.proof.to_dict() if plan.proof is not None else None,
         compile_cache=cached["state"],
     )
+
+
+def fit_and_store(stage, config, plan, parts, fold, url: str) -> tuple[Any, str, str, int]:
+    """Train a fold's model (fit_stage) and store it at `url`, at the site where this
+    runs (a GPU site's worker, or the flow's process: tasks/research/sited). Returns the
+    result, the worker ("" here), sha256 and size."""
+    result, worker = fit_stage(stage, config, plan, parts, fold)  # see at_front
+    with timeline.phase("train: save model"):
+        data = model_bytes(result)
+        storage.write_bytes_atomic(url, data)
+    return result, worker, storage.sha256_hex(data), len(data)

@@ -7,8 +7,9 @@ copied the same way, into the reading site's pack files and cache index.
 
 Where a stage computes: a site whose Dask workers declare the GPU resource, or the flow's
 own process, which is the default site (tasks/runtime/sites.stage_site). The functions
-`fit_and_store`, `replay_and_store`, `copy_file` and `copy_feature_outputs` are what runs
-there (on the site's worker, or here): each writes at the site it runs at.
+`copy_file` and `copy_feature_outputs` here, and profiling's `fit_and_store` and
+`replay_and_store`, are what runs there (on the site's worker, or here): each writes at
+the site it runs at.
 
 What is not counted: what comes back to the flow's process as a task's result (the
 trained model for the registry, the mark-outs the statistics and MLflow are made from),
@@ -133,32 +134,6 @@ def device_type(name: str) -> str:
     from quantloop.tasks.research.training import resolve_device
 
     return resolve_device(name).type
-
-
-def fit_and_store(stage, config, plan, parts, fold, url: str) -> tuple[Any, str, str, int]:
-    """Train a fold's model (profiling.trainer.fit_stage) and store it at `url`, at the
-    site where this runs. Returns the result, the worker ("" here), sha256 and size."""
-    from quantloop.profiling import trainer
-    from quantloop.tasks.research.training import model_bytes
-    from quantloop.tasks.runtime import timeline
-
-    result, worker = trainer.fit_stage(stage, config, plan, parts, fold)  # see at_front
-    with timeline.phase("train: save model"):
-        data = model_bytes(result)
-        storage.write_bytes_atomic(url, data)
-    return result, worker, storage.sha256_hex(data), len(data)
-
-
-def replay_and_store(model_url: str, stage, config, parts, fold, url: str) -> tuple:
-    """Replay a fold (profiling.replay.replay_stage) and store its mark-outs at `url`, at
-    the site where this runs. Returns the mark-outs, the prediction's counts, the worker,
-    and the stored file's sha256 and size."""
-    from quantloop.profiling import replay
-    from quantloop.tasks.research.simulation import stack_markouts
-
-    merged, stats, worker = replay.replay_stage(model_url, stage, config, parts, fold)
-    digest, length = save_checked(url, storage.parquet_bytes(stack_markouts(merged)))
-    return merged, stats, worker, digest, length
 
 
 # ---------------------------------------------------------------- in the flow
