@@ -177,7 +177,15 @@ class StageSite:
 def wait_for(client, future, site: Site, what: str):
     """The future's result; every poll without it asks the scheduler whether a worker
     with the GPU resource is there. None for longer than the site's no_workers_timeout_s:
-    the task is cancelled and NoWorkers raised naming the site."""
+    the task is cancelled and NoWorkers raised naming the site.
+
+    A poll waits for the task to finish, not for its result: the result is gathered once,
+    after, however long it takes to come over the link. (`future.result(timeout=poll)`
+    started the gather again at every poll and cut it at the poll's end, so a result
+    that took longer than a poll to cross, a replay's mark-outs over a slow link, never
+    came: bench/placement.py at 100 Mbit/s.)"""
+    from distributed import wait
+
     from quantloop.tasks.engine.driver import NO_WORKERS_POLL_S, NoWorkers
 
     limit = site.no_workers_timeout_s
@@ -185,9 +193,11 @@ def wait_for(client, future, site: Site, what: str):
     since = None  # when the scheduler was first seen without a GPU worker
     while True:
         try:
-            return future.result(timeout=poll)
+            wait(future, timeout=poll)
         except TimeoutError:
             pass
+        else:
+            return future.result()
         now = time.monotonic()
         if client.run_on_scheduler(_gpu_workers):
             since = None
