@@ -28,11 +28,9 @@ def test_a_result_longer_to_gather_than_a_poll_comes_back(monkeypatch):
 
     # 1 ms polls: no gather of 64 MB between two processes fits in one.
     monkeypatch.setattr(driver, "NO_WORKERS_POLL_S", 0.001)
-    with (
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
-                     resources={"GPU": 1}, dashboard_address=None) as cluster,  # fmt: skip
-        Client(cluster) as client,
-    ):
+    cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                           resources={"GPU": 1}, dashboard_address=None)  # fmt: skip
+    with cluster, Client(cluster) as client:
         site = Site(name="B", scheduler_address=cluster.scheduler_address, gpus=1)
         got: dict = {}
 
