@@ -50,13 +50,16 @@ def promoted_before(client, run, guarded: str) -> str:
     return done["champion_version"]
 
 
-@pytest.fixture
-def champion(prefect_api, mlflow_uri, tmp_path):
+@pytest.fixture(scope="module")
+def champion(prefect_api, mlflow_uri, tmp_path_factory):
     """A research run's model as the champion of a registered model of its own (the
     session's server is shared), and two newer days landed after it; the run's own
-    version is a candidate in `<name>-candidates`, the champion its copy in `<name>`."""
+    version is a candidate in `<name>-candidates`, the champion its copy in `<name>`.
+    Shared by the module's two tests, which only add to it: neither moves the alias, and
+    the retrains each asks to be new are on days the other does not retrain on."""
     name = f"retrain-test-{uuid.uuid4().hex[:8]}"
-    workspace = Workspace(home=str(tmp_path / "home"), n_workers=1, tracking=MlflowTracking(
+    home = tmp_path_factory.mktemp("retrain") / "home"
+    workspace = Workspace(home=str(home), n_workers=1, tracking=MlflowTracking(
         tracking_uri=mlflow_uri, experiment=name, registered_model=name))  # fmt: skip
     run = research(ResearchParams.model_validate({**TINY, "workspace": workspace}))
     assert run.registered_model == f"{name}-candidates"
@@ -73,9 +76,15 @@ def champion(prefect_api, mlflow_uri, tmp_path):
 def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflow_uri):
     workspace, name, first, newer = champion
     client = MlflowClient(mlflow_uri)
+    candidates = f"{name}-candidates"
+
+    def versions(model: str) -> int:
+        return len(client.search_model_versions(f"name = '{model}'"))
+
+    # the research run's candidate, and the backtest test's retrain if it ran first
+    registered = versions(candidates)
     summary = retrain(workspace=workspace)
 
-    candidates = f"{name}-candidates"
     assert summary.from_version == first.model_version
     assert summary.new_version is not None and summary.new_version != first.model_version
     assert (summary.start, summary.end) == (newer[0], newer[-1])  # the newest days only
@@ -120,8 +129,8 @@ def test_retrain_registers_a_new_version_of_the_champions_recipe(champion, mlflo
     again = retrain(workspace=workspace, model=candidates, alias=summary.new_version)
     assert again.new_version is None and again.model_cached
     assert again.version == summary.new_version
-    assert len(client.search_model_versions(f"name = '{candidates}'")) == 2
-    assert len(client.search_model_versions(f"name = '{name}'")) == 1  # the champion only
+    assert versions(candidates) == registered + 1  # the first retrain's version only
+    assert versions(name) == 1  # the champion only
 
     # One day of data: the retrain holds out the end of the day (an intraday fold). The
     # window is those rows; the champion never saw the day.
@@ -153,8 +162,9 @@ def test_backtest_nodes_are_cached_by_the_models_weights(champion, mlflow_uri):
     assert (again.nodes, again.computed, again.cache_hits) == (8, 0, 8)
     assert again.total == ran.total
 
-    # Another version (other weights): every node recomputes.
-    other = retrain(workspace=workspace)
+    # Another version (other weights): every node recomputes. (Its newest three days:
+    # the champion's recipe on days no other retrain of the module trains on.)
+    other = retrain(workspace=workspace, days=3)
     assert other.new_version is not None
     third = backtest(workspace=workspace, model=f"{name}-candidates", version=other.new_version)
     assert (third.nodes, third.computed, third.cache_hits) == (8, 8, 0)
