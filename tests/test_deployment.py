@@ -181,15 +181,18 @@ def test_research_deployment_runs_on_a_process_worker(prefect_server, tmp_path, 
     assert all(out.read().num_rows > 0 for out in outputs.values())
 
 
-def quantloop_cli(api: str, home: Path, *args: str, check: bool = True):
-    proc = subprocess.run(
-        [sys.executable, "-m", "quantloop.cli", *args],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
-        env=servers.prefect_env(home, PREFECT_API_URL=api, PREFECT_API_AUTH_STRING=AUTH,
-                                COLUMNS="200"),
-    )  # fmt: skip
-    assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+def quantloop_cli(*args: str, check: bool = True):
+    """`quantloop ARGS` in this process (the CLI's own app, as tests/test_cli.py runs it),
+    inside `settings(api)`: the server and auth string it reads are those. In a
+    subprocess each call cost its interpreter and imports (~5 s of CPU here), three
+    times."""
+    from typer.testing import CliRunner
+
+    from quantloop.cli import app
+
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, list(args))
+    assert not check or result.exit_code == 0, result.output[-3000:]
+    return result
 
 
 def prefect_cli(api: str, home: Path, *args: str) -> subprocess.CompletedProcess:
@@ -229,7 +232,7 @@ def test_operator_setup_from_infra_readme(prefect_server, mlflow_uri):
             }  # fmt: skip
 
         # `quantloop deploy` applies the same file: nothing differs, nothing is refused.
-        quantloop_cli(api, folder / "cli-home", "deploy")
+        quantloop_cli("deploy")
         # A file with other settings is refused, naming the difference, and changes
         # nothing; --replace replaces.
         changed = yaml.safe_load(PREFECT_YAML.read_text())
@@ -237,16 +240,15 @@ def test_operator_setup_from_infra_readme(prefect_server, mlflow_uri):
         changed["deployments"][0]["parameters"]["params"]["workspace"]["home"] = "/data/desk"
         other = folder / "changed.yaml"
         other.write_text(yaml.safe_dump(changed))
-        refused = quantloop_cli(api, folder / "cli-home", "deploy", "--prefect-file", str(other),
-                                check=False)  # fmt: skip
+        refused = quantloop_cli("deploy", "--prefect-file", str(other), check=False)
         with get_client(sync_client=True) as client:
             kept = client.read_deployment_by_name("research/desk").parameters
-        quantloop_cli(api, folder / "cli-home", "deploy", "--prefect-file", str(other),
-                      "--only", "research/desk", "--replace")  # fmt: skip
+        quantloop_cli("deploy", "--prefect-file", str(other), "--only", "research/desk",
+                      "--replace")  # fmt: skip
         with get_client(sync_client=True) as client:
             replaced = client.read_deployment_by_name("research/desk").parameters
 
-    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.exit_code == 1, refused.output
     assert "research/desk: parameters:" in refused.stderr and "/data/desk" in refused.stderr
     assert "--replace" in refused.stderr
     assert kept["params"]["workspace"]["home"] == "/srv/quantloop"
