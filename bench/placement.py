@@ -193,7 +193,7 @@ def outer(args: argparse.Namespace) -> None:
           "--dates", str(args.dates), "--link-mbit", str(args.link_mbit),
           "--products", str(args.products), "--at-a", str(args.at_a),
           "--steps", str(args.steps), "--horizon", args.horizon,
-          "--repeats", str(args.repeats)]  # fmt: skip
+          "--repeats", str(args.repeats), "--policies", args.policies]  # fmt: skip
     procs: list[subprocess.Popen] = []
     t0 = time.perf_counter()
     try:
@@ -299,9 +299,17 @@ def report(result: dict, args: argparse.Namespace) -> None:
         f"`node` against `single:A`: cold turnaround {ratio(single['cold_s'], node['cold_s'])} "
         f"shorter, bytes across sites "
         f"{ratio(single['bytes_across_sites'], node['bytes_across_sites'])} "
-        f"fewer; outputs identical under both policies: {result['outputs_identical']} "
+        f"fewer; outputs identical under {'every policy' if len(pol) > 2 else 'both policies'}: "
+        f"{result['outputs_identical']} "
         f"({result['compared']['features']} feature nodes, {result['compared']['models']} "
         "model(s), the mark-out).",
+        *(
+            f"`{p['placement']}` against `single:A`: cold turnaround "
+            f"{ratio(single['cold_s'], p['cold_s'])} shorter, bytes across sites "
+            f"{ratio(single['bytes_across_sites'], p['bytes_across_sites'])} fewer."
+            for key, p in pol.items()
+            if key not in ("single", "node")
+        ),
         "",
         "Where the cold run's time and bytes went (stage seconds from the runs' MLflow "
         "records, medians; bytes across, by the stage that read them):",
@@ -629,7 +637,7 @@ def drive(args: argparse.Namespace) -> None:
         "horizon": args.horizon,
         "policies": {},
     }
-    policies = (("single", "single:A"), ("node", "node"))
+    policies = tuple((policy_name(p), p) for p in args.policies.split(","))
     made: dict[str, list[dict]] = {name: [] for name, _ in policies}
     with prefect_test_harness(server_startup_timeout=WAIT_S):
         result["warm_up"] = warm_up(args, home)
@@ -665,6 +673,12 @@ def drive(args: argparse.Namespace) -> None:
     (args.work / "result.json").write_text(json.dumps(result, indent=1, default=str))
 
 
+def policy_name(policy: str) -> str:
+    """The key of a policy's results: `single` for single:A (the compared one), else its
+    name with a dash (`node`, `single-b`)."""
+    return "single" if policy == "single:A" else policy.replace(":", "-").lower()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--link-mbit", type=float, default=100.0)
@@ -675,11 +689,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="training steps")
     parser.add_argument("--horizon", default="5s", help="the promotion gate's horizon")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each policy (medians)")
+    parser.add_argument("--policies", default="single:A,node",
+                        help="placements run, comma-separated: single:A and node (the compared "
+                        "pair) and others reported beside them, e.g. single:B")  # fmt: skip
     parser.add_argument("--name", default="placement", help="results file stem in bench/results")
     parser.add_argument("--keep", action="store_true", help="keep the work folder and logs")
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--role", default="outer", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not {"single:A", "node"} <= set(args.policies.split(",")):
+        parser.error("--policies must include single:A and node (the compared pair)")
     if not 0 < args.at_a < args.products <= len(LETTERS):
         parser.error(f"--at-a must leave products at both sites (1 to {args.products - 1})")
     if args.role == "outer":
