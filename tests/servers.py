@@ -191,8 +191,29 @@ def prefect_server(
         wait_http(f"{api}/health", timeout=timeout, proc=proc)
         yield api
     finally:
+        drain_prefect_senders()  # while the server they may send to is still up
         _stop(proc)
         log.close()
+
+
+def drain_prefect_senders(timeout: float = 30) -> None:
+    """Send, and end, what this process's Prefect event and log senders still hold.
+
+    Each sender is made for the API it first sent to and lives on after that server
+    stops; the session's `prefect_test_harness` drains every sender at its end and
+    waits, without a limit, for one that retries a server gone since. Here a flow run
+    in-process against a server of a module's own, then the harness's end: 78 s; a
+    worker that ran test_hosts (its desk runs flows in-process) was still in that drain
+    more than 10 min after its last test began (2026-12-03). Drained while their server
+    is up, they end at once; the next sender is made anew for whichever API is set."""
+    if "prefect.events.worker" in sys.modules:
+        from prefect.events.worker import EventsWorker
+
+        EventsWorker.drain_all(timeout=timeout)
+    if "prefect.logging.handlers" in sys.modules:
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=timeout)
 
 
 @contextlib.contextmanager
