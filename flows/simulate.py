@@ -308,9 +308,7 @@ def _replay(stage, config, urls, planned, sited, stack, logger, down, spent, pla
         def compute(url, model_url=local_model, parts=parts, fold=fold, copied=copied):
             if where.remote:
                 logger.info("replaying on site %s (a worker with the GPU resource)", at.name)
-            with timeline.phase("simulate: copy features"):
-                local, copied[0] = sited.bring_features(parts, at, where.run)
-            spent[at.name] = spent.get(at.name, 0) + copied[0]
+            local, copied[0] = sited.bring_features_for("simulate", parts, at, where.run, spent)
             outputs.update(local)  # later folds read the copies
             t0 = time.perf_counter()
             # stored at `url`, at the site that replays it

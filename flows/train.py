@@ -260,9 +260,7 @@ def _train(stage, config, parent_run_id, site, stack, logger, down, spent) -> Tr
         def fit_now(url: str, parts=parts, fold=fold, copied=copied):
             if where.remote:
                 logger.info("training on site %s (a worker with the GPU resource)", at.name)
-            with timeline.phase("train: copy features"):
-                local, copied[0] = sited.bring_features(parts, at, where.run)
-            spent[at.name] = spent.get(at.name, 0) + copied[0]
+            local, copied[0] = sited.bring_features_for("train", parts, at, where.run, spent)
             outputs.update(local)  # later folds read the copies
             # stored at `url`, at the site that trains it
             result, worker, digest, length = where.run(trainer.fit_and_store, at_front(stage, at),

@@ -33,6 +33,7 @@ from quantloop.tasks.data.catalog import Catalog, OutputCopy
 from quantloop.tasks.data.schema import Partition
 from quantloop.tasks.engine import INDEX_SCHEMA, NodeStore, output_blob, storage
 from quantloop.tasks.research.stage import FeatureOutput, Keyed
+from quantloop.tasks.runtime import timeline
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -290,6 +291,22 @@ class SiteOutputs:
         copied = sum(r["output_length"] for r in made.values())
         log.info("%d feature outputs copied to site %s (%d bytes)", len(made), to.name, copied)
         return out, copied
+
+    def bring_features_for(
+        self,
+        stage: str,
+        parts: Mapping[Partition, FeatureOutput],
+        to: Site,
+        run: Run,
+        spent: dict[str, int],
+    ) -> tuple[dict[Partition, FeatureOutput], int]:
+        """bring_features as stage `stage`'s "copy features" phase, the bytes added to
+        spent[to.name] at once (a stage's bytes across by site, counted whatever happens
+        after: the train and simulate stages)."""
+        with timeline.phase(f"{stage}: copy features"):
+            local, copied = self.bring_features(parts, to, run)
+        spent[to.name] = spent.get(to.name, 0) + copied
+        return local, copied
 
 
 def lineage_roots(catalog: Catalog, key: str, roots: list[str]) -> list[str]:
