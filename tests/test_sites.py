@@ -110,6 +110,29 @@ def input_bytes(ws: Workspace, products: list[str]) -> int:
                if e.partition.product in products)  # fmt: skip
 
 
+def losing_site(folder, ws: Workspace, b: Site, prefix: str, run, resources=None, **update):
+    """run(stage) with `b` (the workspace's one other site) on a fresh Dask site in `folder`
+    (its scheduler and one worker declaring `resources`), whose workers and nanny are
+    killed as its scheduler hands out the first task of `prefix`; (the outcome or the
+    error, seconds from the kill to the run's end)."""
+    from distributed import Client
+
+    with servers.dask_site(folder, resources=resources) as address, \
+            Client(address, timeout="10s") as client:  # fmt: skip
+        on_b = ws.model_copy(update={"sites": [b.model_copy(
+            update={"scheduler_address": address})]})  # fmt: skip
+        client.register_plugin(servers.KillSiteGiven(prefix))
+        try:
+            outcome = run(stage_of(on_b, **update))
+        except Exception as exc:  # noqa: BLE001 - checked by the caller
+            outcome = exc
+        end = time.time()
+        at = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[
+            "kill-site-given"].at)  # fmt: skip
+        assert at and not client.nthreads()  # killed mid-run, and none came back
+        return outcome, end - at
+
+
 @pytest.mark.slow
 @pytest.mark.server
 def test_each_node_runs_at_the_site_holding_its_input(prefect_api, two_sites, tmp_path):
@@ -313,7 +336,6 @@ def test_a_site_whose_workers_are_all_gone_fails_naming_it_or_its_nodes_run_at_a
     its scheduler hands out the run's first batch. After B's no_workers_timeout_s the
     wait ends: the run fails naming B; with on_unreachable "replica" and B's inputs
     replicated to A, B's nodes run at A and the outputs are a run's without the fault."""
-    from distributed import Client
 
     limit = 3.0
     a = Site(name="A", scheduler_address=clusters["A"], storage_root=str(tmp_path / "a"),
@@ -326,22 +348,8 @@ def test_a_site_whose_workers_are_all_gone_fails_naming_it_or_its_nodes_run_at_a
     land_synthetic(catalog, b.root, AT_B, DATES, SYNTHETIC, site="B")
 
     def run_losing_b(folder: str, **update):
-        """features() with B's workers killed mid-run; (summary or error, seconds from
-        the kill to the run's end)."""
-        with servers.dask_site(tmp_path / folder) as address, \
-                Client(address, timeout="10s") as client:  # fmt: skip
-            on_b = ws.model_copy(update={"sites": [b.model_copy(
-                update={"scheduler_address": address})]})  # fmt: skip
-            client.register_plugin(servers.KillSiteGiven(BATCH_PREFIX))
-            try:
-                outcome = features(stage_of(on_b, **update))
-            except Exception as exc:  # noqa: BLE001 - checked by the caller
-                outcome = exc
-            end = time.time()
-            at = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[
-                "kill-site-given"].at)  # fmt: skip
-            assert at and not client.nthreads()  # killed mid-run, and none came back
-            return outcome, end - at
+        """features() with B's workers killed mid-run."""
+        return losing_site(tmp_path / folder, ws, b, BATCH_PREFIX, features, **update)
 
     failed, lag = run_losing_b("b1")
     assert isinstance(failed, NoWorkers)
@@ -382,7 +390,6 @@ def test_a_gpu_site_whose_workers_are_all_gone_fails_naming_it_or_its_stages_mov
     or with on_unreachable "replica" training (the replay) runs in the flow's process,
     which is site A; the bytes copied to B before it was lost still count at B, and the
     model and mark-outs are a one-site run's."""
-    from distributed import Client
 
     from quantloop.tasks.research.sited import SiteOutputs
 
@@ -398,23 +405,9 @@ def test_a_gpu_site_whose_workers_are_all_gone_fails_naming_it_or_its_stages_mov
     at_a_train = sum(r["output_length"] for r in rows if r["date"] == DATES[0].isoformat())
 
     def losing_b(folder: str, prefix: str, run, **update):
-        """run(stage) with B (a fresh cluster and store) killed as it is given the first
-        task of `prefix`; (summary or error, seconds from the kill to the run's end)."""
-        with servers.dask_site(tmp_path / folder, resources="GPU=1") as address, \
-                Client(address, timeout="10s") as client:  # fmt: skip
-            store = str(tmp_path / folder / "b")
-            b_here = b.model_copy(update={"scheduler_address": address, "storage_root": store})
-            on_b = ws.model_copy(update={"sites": [b_here]})
-            client.register_plugin(servers.KillSiteGiven(prefix))
-            try:
-                outcome = run(stage_of(on_b, **update))
-            except Exception as exc:  # noqa: BLE001 - checked by the caller
-                outcome = exc
-            end = time.time()
-            at = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[
-                "kill-site-given"].at)  # fmt: skip
-            assert at and not client.nthreads()  # killed mid-run, and none came back
-            return outcome, end - at
+        """run(stage) with B (a fresh cluster and store, a GPU worker) lost mid-run."""
+        b_here = b.model_copy(update={"storage_root": str(tmp_path / folder / "b")})
+        return losing_site(tmp_path / folder, ws, b_here, prefix, run, "GPU=1", **update)
 
     failed, lag = losing_b("b1", "fit_and_store", lambda stage: train(stage, TINY))
     assert isinstance(failed, NoWorkers) and failed.site == "B"
