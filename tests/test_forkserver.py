@@ -266,6 +266,13 @@ def test_off_starts_nothing(tmp_path):
     assert not w.log.exists()
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (Linux: SigCgt in its status)."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(line for line in status if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
+
 def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp_path):
     w = Warm(tmp_path)
     name = forkserver.address(w.env)
@@ -289,7 +296,14 @@ def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp
             time.sleep(0.05)
         client = subprocess.Popen([str(EXE), "run", "--lobster", str(tmp_path / "absent")],
                                   env=w.env, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        time.sleep(0.5)
+        # Ctrl-C once the client waits on the server: its handlers are set (SIGHUP caught,
+        # which Python leaves alone), not after a fixed sleep; a loaded CI machine took over
+        # 0.5 s to reach them, and a SIGINT during the interpreter's start-up is Python's.
+        end = time.monotonic() + 60
+        while not _catches(client.pid, signal.SIGHUP):
+            assert client.poll() is None, client.stderr.read()
+            assert time.monotonic() < end, "the client never waited on the server"
+            time.sleep(0.02)
         client.send_signal(signal.SIGINT)
         assert client.wait(timeout=10) == 130
         assert w.servers() == [], "the server was ready before the Ctrl-C: nothing shown"

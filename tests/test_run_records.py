@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
 
 from quantloop.flows.research import ResearchParams, research
 from quantloop.tasks.records import runs
@@ -53,9 +54,16 @@ def test_stage_child_runs_span_the_stages_work(recorded):
             stage_end = max(stage_end, origin + sim.start_s + sim.seconds)
         # Inside the stage (its Prefect subflow starts a little after the phase opens) ...
         assert stage_start - 0.5 <= start and end <= stage_end + 0.5, (name, start, end)
-        # ... and nearly all of it: before, a child run lasted as long as its recording
-        # (1.1 s of a 31 s features stage).
-        assert end - start >= 0.8 * span.seconds - 0.5, (name, end - start, span.seconds)
+        # ... and nearly all of its Prefect subflow run, the stage's work: before, a child
+        # run lasted as long as its recording (1.1 s of a 31 s features stage). Measured
+        # against the subflow, not the phase: Prefect's start of a subflow (its API calls)
+        # took 2.3 s of a 3.6 s simulate phase on a loaded 2-core CI machine, with the train
+        # stage's registration running beside it, against 0.15 s here.
+        with get_client(sync_client=True) as prefect:
+            flow_run = prefect.read_flow_run(stages[name].data.tags["prefect_flow_run_id"])
+        work = (flow_run.end_time - flow_run.start_time).total_seconds()
+        assert start <= flow_run.start_time.timestamp() + 0.5, (name, start, flow_run)
+        assert end - start >= 0.8 * work - 0.5, (name, end - start, work)
 
 
 @pytest.mark.slow
