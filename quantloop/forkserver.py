@@ -53,7 +53,8 @@ IDLE_S = 600.0
 IN_CHILD = False  # true in a child that runs a command (quantloop/cli/common.quiet_console)
 # The commands a warm process runs: the ones that import the flows. serve, api, deploy
 # and ladder start long-lived servers or benchmarks of their own and stay in-process.
-COMMANDS = frozenset({"run", "nodes", "verify", "reproduce", "retrain", "backtest", "promote"})
+COMMANDS = frozenset({"run", "nodes", "verify", "reproduce", "retrain", "backtest", "promote",
+                      "engine"})  # fmt: skip
 # What libraries read from the environment at import: a different value needs another
 # server (prefixes and exact names).
 IMPORT_ENV_PREFIXES = (
@@ -64,6 +65,10 @@ IMPORT_ENV_NAMES = ("HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LANGUAGE", "USER",
 # The server's own settings are not part of its address, nor settings read only while a
 # command runs.
 OWN_ENV = ("QUANTLOOP_FORKSERVER", "QUANTLOOP_FORKSERVER_IDLE_S", "QUANTLOOP_OVERLAP")
+# What a Prefect worker sets for each flow run it starts (PREFECT__FLOW_RUN_ID, the
+# control channel's port and token, the worker's and deployment's ids): read while the
+# run runs, never at import, so flow runs of one worker share a server.
+RUN_ENV_PREFIXES = ("PREFECT__",)
 # What a command may hand to a fresh child of its server (tasks/runtime/overlap.call):
 # "module:function" taking and returning JSON.
 CALLS = frozenset({"quantloop.tasks.records.registry:export_stored"})
@@ -73,6 +78,10 @@ WARM_MODULES = (
     # libraries below, as it does in-process, where the CLI imports it first
     "quantloop.tasks.runtime.timeline",
     "quantloop.flows.params",
+    # what `quantloop engine` runs (a process worker's flow runs): Prefect's engine and
+    # the deployment steps it runs before the flow (set_working_directory)
+    "prefect.engine",
+    "prefect.deployments.steps",
     "quantloop.flows.research",
     "quantloop.tasks.records.summary",
     "quantloop.tasks.research.training",
@@ -107,7 +116,8 @@ def address(env: dict[str, str] | None = None) -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     imported = sorted(
         (k, v) for k, v in env.items()
-        if k not in OWN_ENV and (k in IMPORT_ENV_NAMES or k.startswith(IMPORT_ENV_PREFIXES))
+        if k not in OWN_ENV and not k.startswith(RUN_ENV_PREFIXES)
+        and (k in IMPORT_ENV_NAMES or k.startswith(IMPORT_ENV_PREFIXES))
     )  # fmt: skip
     # Not sys.path: it is the interpreter's, its prefix's (site-packages) and PYTHONPATH's,
     # all in the key, plus the script's folder, which differs between callers (and which

@@ -254,6 +254,8 @@ def worker_service(cfg: StackConfig) -> Service:
         **{MLFLOW_UI_URL_ENV: cfg.mlflow_url},
         **({} if cfg.database else {MLFLOW_UI_STORE_ENV: cfg.mlflow_store}),
     )
+    # its flow runs' command, `quantloop engine` (infra/prefect.yaml), is this install's
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     argv = [sys.executable, "-m", "prefect", "worker", "start",
             "--pool", cfg.pool, "--type", "process", "--name", WORKER_NAME]  # fmt: skip
     return Service(WORKER_SERVICE, argv, env, cfg.logs / "prefect-worker.log")

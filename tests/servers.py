@@ -238,6 +238,12 @@ def prefect_worker(
         PREFECT_API_URL=api_url,
         PREFECT_WORKER_QUERY_SECONDS="1",
         PREFECT_WORKER_HEARTBEAT_SECONDS="5",
+        # Flow runs as an operator's worker runs them (infra/prefect.yaml: `quantloop
+        # engine`, found on PATH, in a warm process of this worker's environment), the
+        # warm process gone soon after the test (and ended below).
+        PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+        QUANTLOOP_FORKSERVER="1",
+        QUANTLOOP_FORKSERVER_IDLE_S="120",
         **(env or {}),
     )
     log = open(folder / "prefect-worker.log", "wb")
@@ -253,7 +259,25 @@ def prefect_worker(
     finally:
         # SIGTERM lets the worker cancel its own flow-run processes before it exits.
         _stop(proc, timeout=30)
+        end_warm_processes(worker_env["PREFECT_HOME"])
         log.close()
+
+
+def end_warm_processes(prefect_home: str) -> None:
+    """End the warm processes (quantloop/forkserver.py) that flow runs of a worker with
+    this PREFECT_HOME started, with what they forked."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if (p.environ().get("PREFECT_HOME") == prefect_home
+                    and "quantloop.forkserver" in " ".join(p.cmdline())):  # fmt: skip
+                found.append(p)
+    for p in found:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(found, timeout=10)
 
 
 class FlakyProxy:

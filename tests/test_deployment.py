@@ -8,6 +8,8 @@ exactly as an operator's deployment runs, and reports to a real MLflow server.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -132,6 +134,54 @@ def test_the_locked_server_refuses_a_client_without_the_auth_string(prefect_serv
     assert refused.value.code == 401
     with settings(api), get_client(sync_client=True) as client:
         client.read_flows(limit=1)  # with it, the same call is answered
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_flow_runs_after_the_first_run_in_a_warm_process_and_cancel_there(prefect_server, tmp_path):
+    """infra/prefect.yaml's run command, `quantloop engine`: a worker's first flow run runs
+    in its own process and starts a warm one; the next ones are its children (the flow
+    says so), complete, and a cancelled one ends as Cancelled with its process gone."""
+    import psutil
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
+    api, _ = prefect_server
+    [template] = [d for d in read_deployments(PREFECT_YAML) if d.flow == "research"]
+    assert template.job_variables == {"command": "quantloop engine"}
+    pool = "quantloop-test-warm"
+    [spec] = for_stack([template], pool=pool, checkout=REPO_ROOT, workspace={})
+    spec = dataclasses.replace(spec, flow="where-it-ran", name="warm",
+                               entrypoint="tests/engine_flows.py:where_it_ran", parameters={})
+    reports = [tmp_path / f"run{i}.json" for i in range(3)]
+    log = tmp_path / "worker" / "prefect-worker.log"
+    with settings(api):
+        apply([spec])
+        with servers.prefect_worker(api, pool, tmp_path / "worker",
+                                    env={"PREFECT_API_AUTH_STRING": AUTH}):  # fmt: skip
+            runs = [run_deployment("where-it-ran/warm", parameters={"out": str(reports[i])},
+                                   timeout=300) for i in range(2)]  # fmt: skip
+            for run in runs:
+                assert run.state.is_completed(), (run.state, tail(log))
+            first, second = (json.loads(r.read_text()) for r in reports[:2])
+            assert not first["warm"] and second["warm"], (first, second)
+            # Cancelled from the API (the UI's button) while it sleeps in a warm child
+            run = run_deployment("where-it-ran/warm", timeout=0,
+                                 parameters={"out": str(reports[2]), "sleep_s": 600})  # fmt: skip
+            with get_client(sync_client=True) as client:
+                end = time.monotonic() + 300
+                while not reports[2].exists():
+                    assert time.monotonic() < end, tail(tmp_path / "worker" / "prefect-worker.log")
+                    time.sleep(0.5)
+                third = json.loads(reports[2].read_text())
+                assert third["warm"]
+                client.set_flow_run_state(run.id, Cancelling(), force=True)
+                end = time.monotonic() + 120
+                while (state := client.read_flow_run(run.id).state).type != StateType.CANCELLED:
+                    assert time.monotonic() < end, (state, tail(log))
+                    time.sleep(0.5)
+            assert not psutil.pid_exists(third["pid"]) or psutil.Process(
+                third["pid"]).status() == psutil.STATUS_ZOMBIE  # fmt: skip
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from quantloop.cli import (
     api,
     backtest,
     deploy,
+    engine,
     ladder,
     nodes,
     promote,
@@ -49,7 +50,7 @@ def main() -> None:
 # In the order `quantloop --help` lists them: the researcher's, the auditor's, the operator's.
 for command in (run.run, nodes.nodes, reproduce.reproduce, promote.promote, verify.verify,
                 retrain.retrain, backtest.backtest, replicate.replicate, ladder.ladder,
-                serve.serve, api.api, deploy.deploy):  # fmt: skip
+                serve.serve, api.api, deploy.deploy, engine.engine):  # fmt: skip
     app.command()(command)
 
 __all__ = ["app", "rich_table"]
