@@ -135,9 +135,10 @@ def _flags() -> list[str]:
     return [option for option, on in named if on]
 
 
-def log_path() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(
-        os.environ.get("TMPDIR", "/tmp"), f"quantloop-{os.getuid()}"
+def log_path(env: dict[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    base = env.get("XDG_RUNTIME_DIR") or os.path.join(
+        env.get("TMPDIR", "/tmp"), f"quantloop-{os.getuid()}"
     )
     return os.path.join(base, "forkserver.log")
 
@@ -232,18 +233,19 @@ def _umask() -> int:
     return mask
 
 
-def start_server(name: str) -> None:
-    """Start a server at `name` for this environment and interpreter options, detached
-    (its own session), logging to log_path(); it exits at once if another holds `name`."""
+def start_server(name: str, env: dict[str, str] | None = None) -> None:
+    """Start a server at `name` for this environment (or `env`) and interpreter options,
+    detached (its own session), logging to log_path(); it exits at once if another holds
+    `name`."""
     import subprocess
 
-    log = log_path()
+    log = log_path(env)
     os.makedirs(os.path.dirname(log), mode=0o700, exist_ok=True)
     with open(log, "ab") as out:
         subprocess.Popen(
             [sys.executable, *_flags(), "-m", "quantloop.forkserver", name.lstrip("\0")],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
-            start_new_session=True, close_fds=True,
+            start_new_session=True, close_fds=True, env=env,
         )  # fmt: skip
 
 

@@ -15,7 +15,10 @@ def main() -> None:
     from quantloop.tasks.runtime.timeline import TIMELINE
 
     argv = sys.argv[1:]
-    if forkserver.enabled() and argv and argv[0] in forkserver.COMMANDS:
+    # `engine --warm` starts a warm process for another environment (a worker's flow
+    # runs'): it runs here, not in one for its own
+    warming = argv[:1] == ["engine"] and "--warm" in argv
+    if forkserver.enabled() and argv and argv[0] in forkserver.COMMANDS and not warming:
         code = forkserver.run(argv, started=TIMELINE.origin)
         if code is not None:
             sys.exit(code)

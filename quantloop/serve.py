@@ -261,6 +261,29 @@ def worker_service(cfg: StackConfig) -> Service:
     return Service(WORKER_SERVICE, argv, env, cfg.logs / "prefect-worker.log")
 
 
+def warm_flow_runs(worker: Service) -> None:
+    """Start the warm process the worker's flow runs use (`quantloop engine --warm` in
+    their environment, quantloop/cli/engine.py), beside the worker's own start: the
+    researcher's first run from the UI is then a forked child too. Carrying the stack's
+    tag, it is ended with the stack. Nothing when QUANTLOOP_FORKSERVER=0."""
+    import subprocess
+    import threading
+
+    from quantloop.supervisor import STACK_ENV
+
+    env = {**worker.env, STACK_ENV: worker.tag}
+    if env.get("QUANTLOOP_FORKSERVER", "1") == "0":
+        return
+
+    def start() -> None:
+        with open(worker.log, "ab") as log:
+            subprocess.run([sys.executable, "-m", "quantloop.cli", "engine", "--warm"],
+                           env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                           timeout=300, check=False)  # fmt: skip
+
+    threading.Thread(target=start, name="warm-flow-runs", daemon=True).start()
+
+
 def wait_for(
     checks: dict[str, Callable[[], bool]], services: list[Service], timeout: float
 ) -> dict[str, float]:
@@ -573,6 +596,7 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
             services.append(worker)
             since = datetime.datetime.now(datetime.UTC)
             worker.start()
+            warm_flow_runs(worker)
             timings.update(wait_for({"worker_s": lambda: worker_online(cfg, since)}, services, 300))
         timings["total_s"] = time.monotonic() - t0
         yield Stack(cfg, services, timings, {name: str(i) for name, i in ids.items()},

@@ -254,6 +254,9 @@ def prefect_worker(
         ],
         stdout=log, stderr=subprocess.STDOUT, env=worker_env,
     )  # fmt: skip
+    # its environment, for a test (a worker's /proc/<pid>/environ reads empty: Prefect
+    # writes its process title over it)
+    proc.env = worker_env
     try:
         yield proc
     finally:

@@ -141,7 +141,8 @@ def test_the_locked_server_refuses_a_client_without_the_auth_string(prefect_serv
 def test_flow_runs_after_the_first_run_in_a_warm_process_and_cancel_there(prefect_server, tmp_path):
     """infra/prefect.yaml's run command, `quantloop engine`: a worker's first flow run runs
     in its own process and starts a warm one; the next ones are its children (the flow
-    says so), complete, and a cancelled one ends as Cancelled with its process gone."""
+    says so), complete, and a cancelled one ends as Cancelled with its process gone; a
+    worker whose warm process `quantloop engine --warm` started has its first run warm."""
     import psutil
     from prefect.client.schemas.objects import StateType
     from prefect.states import Cancelling
@@ -182,6 +183,30 @@ def test_flow_runs_after_the_first_run_in_a_warm_process_and_cancel_there(prefec
                     time.sleep(0.5)
             assert not psutil.pid_exists(third["pid"]) or psutil.Process(
                 third["pid"]).status() == psutil.STATUS_ZOMBIE  # fmt: skip
+
+        # Another worker (its own environment), its warm process started beforehand by
+        # `quantloop engine --warm` in its environment, as `quantloop serve` does: its
+        # first run is already a warm child.
+        with servers.prefect_worker(api, pool, tmp_path / "worker2",
+                                    env={"PREFECT_API_AUTH_STRING": AUTH}) as worker:  # fmt: skip
+            env = worker.env
+            warmed = subprocess.run([str(Path(sys.executable).parent / "quantloop"), "engine",
+                                     "--warm"], env=env, capture_output=True, text=True,
+                                    timeout=120)  # fmt: skip
+            assert warmed.returncode == 0 and "a warm process" in warmed.stdout, warmed
+            out = tmp_path / "run3.json"
+            run = run_deployment("where-it-ran/warm", parameters={"out": str(out)}, timeout=300)
+            log = tmp_path / "worker2" / "prefect-worker.log"
+            assert run.state.is_completed(), (run.state, tail(log))
+            report = json.loads(out.read_text())
+            if not report["warm"]:  # which variables the warm process was not started with
+                code = ("import json; from quantloop.cli.engine import flow_run_environment; "
+                        "print(json.dumps(flow_run_environment()))")  # fmt: skip
+                guess = json.loads(subprocess.run([sys.executable, "-c", code], env=env,
+                                                  capture_output=True, text=True).stdout)  # fmt: skip
+                differ = {k: (guess.get(k), report["env"].get(k)) for k in {*guess, *report["env"]}
+                          if guess.get(k) != report["env"].get(k) and not k.startswith("PREFECT__")}
+                raise AssertionError(f"the first run was not warm; environments differ: {differ}")
 
 
 @pytest.mark.slow

@@ -36,7 +36,11 @@ STACK_ENV = "QUANTLOOP_SERVE_STACK"  # quantloop/supervisor.py's tag (not import
 
 
 def cli_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    """serve's environment as a researcher's shell gives it: no Prefect or MLflow settings
+    of the tests', and the warm process on (its worker's flow runs fork from one, which
+    the stack's stop must end too)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    return env | {"QUANTLOOP_FORKSERVER": "1", "QUANTLOOP_FORKSERVER_IDLE_S": "300"}
 
 
 def long_research(path: Path) -> Path:
@@ -212,6 +216,10 @@ def test_serve_restarts_what_dies_and_leaves_nothing_running(home, tmp_path):
         # (b) Ctrl-C with a run in flight (its train subflow running)
         run_id = start_run(served)
         wait_in_training(served, run_id)
+        # the run is a child of the worker's warm process (started beside the worker),
+        # both carrying the stack's tag
+        warm = [p for p in stack_processes(home) if "quantloop.forkserver" in p.cmdline()[2:3]]
+        assert len(warm) >= 2, [p.cmdline() for p in stack_processes(home)]
         in_flight = {r.id for r in flow_runs(served) if not r.state.is_final()}
         opened = {k for k, v in mlflow_statuses(home).items() if v == "RUNNING"}
         family = psutil.Process(served.proc.pid).children(recursive=True)

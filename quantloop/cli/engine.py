@@ -6,10 +6,13 @@ Through `quantloop` it runs in a warm process (quantloop/forkserver.py) when one
 a flow run started by a process worker then begins without importing Prefect, MLflow,
 torch and the flows again. Prefect's own default starts two fresh interpreters per flow
 run (a workspace supervisor, then the engine), each paying those imports.
+`quantloop engine --warm`, in a worker's environment, starts that warm process before
+the worker's first run (`quantloop serve` does, beside its worker).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
@@ -23,10 +26,21 @@ def engine(
             help="The flow run to run; default: $PREFECT__FLOW_RUN_ID, as a worker sets it"
         ),
     ] = None,
+    warm: Annotated[
+        bool,
+        typer.Option(
+            "--warm",
+            help="Run nothing: start the warm process that this environment's worker's flow "
+            "runs will use, unless it is up",
+        ),
+    ] = False,
 ) -> None:
     """Run one Prefect flow run (a process worker's command: infra/prefect.yaml). The same
     code as `python -m prefect.engine`: the run's deployment pull steps, its flow loaded
     from the entrypoint, Prefect's signal handling and exit status."""
+    if warm:
+        start_warm_process()
+        return
     import runpy
 
     import prefect.engine
@@ -36,3 +50,27 @@ def engine(
     # run_path rather than run_module, which warns about a module imported twice.
     sys.argv = [prefect.engine.__file__, *([flow_run_id] if flow_run_id else [])]
     runpy.run_path(prefect.engine.__file__, run_name="__main__")
+
+
+def flow_run_environment() -> dict[str, str]:
+    """The environment a process worker started here gives its flow runs, less the
+    variables it sets per run (PREFECT__*, not part of a warm process's address): its
+    own, with its Prefect settings written out as variables over it
+    (prefect.workers.base.BaseJobConfiguration._base_environment)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings().to_environment_variables(exclude_unset=True)
+    return {**os.environ, **{k: str(v) for k, v in settings.items()}}
+
+
+def start_warm_process() -> None:
+    from quantloop import forkserver
+
+    if not forkserver.enabled():
+        print("quantloop engine --warm: QUANTLOOP_FORKSERVER=0: flow runs run in their own "
+              "process; nothing started")  # fmt: skip
+        return
+    env = flow_run_environment()
+    name = forkserver.address(env)
+    forkserver.start_server(name, env)  # exits at once if one holds the address
+    print(f"quantloop engine --warm: a warm process for flow runs: log {forkserver.log_path(env)}")
