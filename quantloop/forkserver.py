@@ -34,7 +34,8 @@ research run exports its model so, on another core than its own simulation.
 QUANTLOOP_FORKSERVER=0 turns it off (every command in-process, nothing started);
 QUANTLOOP_FORKSERVER_IDLE_S (600) is how long an unused server stays;
 `python -m quantloop.forkserver --ping` prints the ready server's pid for this
-environment, `--stop` stops it.
+environment, `--stop` stops it, `--flow-runs` starts the one a Prefect worker started
+with this environment gives its flow runs (`quantloop engine --warm`).
 """
 
 from __future__ import annotations
@@ -247,6 +248,28 @@ def start_server(name: str, env: dict[str, str] | None = None) -> None:
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
             start_new_session=True, close_fds=True, env=env,
         )  # fmt: skip
+
+
+def flow_run_environment() -> dict[str, str]:
+    """The environment a Prefect process worker started with this one gives its flow
+    runs, less the variables it sets per run (PREFECT__*, not part of an address): this
+    one, with its Prefect settings written out as variables over it
+    (prefect.workers.base.BaseJobConfiguration._base_environment)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings().to_environment_variables(exclude_unset=True)
+    return {**os.environ, **{k: str(v) for k, v in settings.items()}}
+
+
+def start_for_flow_runs() -> str | None:
+    """Start the server that the flow runs of a worker started with this environment
+    will use (`quantloop engine`, their command), unless it is up; its log, or None when
+    servers are off here."""
+    if not enabled():
+        return None
+    env = flow_run_environment()
+    start_server(address(env), env)  # exits at once if another holds the address
+    return log_path(env)
 
 
 # ------------------------------------------------------------------------------ server
@@ -534,6 +557,11 @@ if __name__ == "__main__":
     # The module itself, not this `__main__` copy: the child's IN_CHILD is read there.
     from quantloop import forkserver
 
+    if sys.argv[1:] == ["--flow-runs"]:  # `quantloop engine --warm`
+        log = forkserver.start_for_flow_runs()
+        print("QUANTLOOP_FORKSERVER=0: flow runs run in their own process; nothing started"
+              if log is None else f"a warm process for flow runs: log {log}")  # fmt: skip
+        sys.exit(0)
     if sys.argv[1:] in (["--ping"], ["--stop"]):
         # the pid of this environment's ready server (--stop: which then exits), or exit 1
         pid = forkserver.ping(stop=sys.argv[1] == "--stop")

@@ -263,9 +263,10 @@ def worker_service(cfg: StackConfig) -> Service:
 
 def warm_flow_runs(worker: Service) -> None:
     """Start the warm process the worker's flow runs use (`quantloop engine --warm` in
-    their environment, quantloop/cli/engine.py), beside the worker's own start: the
-    researcher's first run from the UI is then a forked child too. Carrying the stack's
-    tag, it is ended with the stack. Nothing when QUANTLOOP_FORKSERVER=0."""
+    the worker's environment: `python -m quantloop.forkserver --flow-runs`), beside the
+    worker's own start: the researcher's first run from the UI is then a forked child
+    too. Carrying the stack's tag, it is ended with the stack. Nothing when
+    QUANTLOOP_FORKSERVER=0."""
     import subprocess
     import threading
 
@@ -277,7 +278,7 @@ def warm_flow_runs(worker: Service) -> None:
 
     def start() -> None:
         with open(worker.log, "ab") as log:
-            subprocess.run([sys.executable, "-m", "quantloop.cli", "engine", "--warm"],
+            subprocess.run([sys.executable, "-m", "quantloop.forkserver", "--flow-runs"],
                            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                            timeout=300, check=False)  # fmt: skip
 

@@ -200,12 +200,13 @@ def test_flow_runs_after_the_first_run_in_a_warm_process_and_cancel_there(prefec
             assert run.state.is_completed(), (run.state, tail(log))
             report = json.loads(out.read_text())
             if not report["warm"]:  # which variables the warm process was not started with
-                code = ("import json; from quantloop.cli.engine import flow_run_environment; "
+                code = ("import json; from quantloop.forkserver import flow_run_environment; "
                         "print(json.dumps(flow_run_environment()))")  # fmt: skip
-                guess = json.loads(subprocess.run([sys.executable, "-c", code], env=env,
-                                                  capture_output=True, text=True).stdout)  # fmt: skip
-                differ = {k: (guess.get(k), report["env"].get(k)) for k in {*guess, *report["env"]}
-                          if guess.get(k) != report["env"].get(k) and not k.startswith("PREFECT__")}
+                found = subprocess.run([sys.executable, "-c", code], env=env,
+                                       capture_output=True, text=True)  # fmt: skip
+                guess, got = json.loads(found.stdout), report["env"]
+                differ = {k: (guess.get(k), got.get(k)) for k in {*guess, *got}
+                          if guess.get(k) != got.get(k) and not k.startswith("PREFECT__")}
                 raise AssertionError(f"the first run was not warm; environments differ: {differ}")
 
 

@@ -12,7 +12,6 @@ the worker's first run (`quantloop serve` does, beside its worker).
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Annotated
 
@@ -39,8 +38,12 @@ def engine(
     code as `python -m prefect.engine`: the run's deployment pull steps, its flow loaded
     from the entrypoint, Prefect's signal handling and exit status."""
     if warm:
-        start_warm_process()
-        return
+        # the warm process's own module does it, in a process of its own (the CLI is a
+        # layer under it: pyproject's import contracts)
+        import subprocess
+
+        done = subprocess.run([sys.executable, "-m", "quantloop.forkserver", "--flow-runs"])
+        raise typer.Exit(done.returncode)
     import runpy
 
     import prefect.engine
@@ -50,27 +53,3 @@ def engine(
     # run_path rather than run_module, which warns about a module imported twice.
     sys.argv = [prefect.engine.__file__, *([flow_run_id] if flow_run_id else [])]
     runpy.run_path(prefect.engine.__file__, run_name="__main__")
-
-
-def flow_run_environment() -> dict[str, str]:
-    """The environment a process worker started here gives its flow runs, less the
-    variables it sets per run (PREFECT__*, not part of a warm process's address): its
-    own, with its Prefect settings written out as variables over it
-    (prefect.workers.base.BaseJobConfiguration._base_environment)."""
-    from prefect.settings import get_current_settings
-
-    settings = get_current_settings().to_environment_variables(exclude_unset=True)
-    return {**os.environ, **{k: str(v) for k, v in settings.items()}}
-
-
-def start_warm_process() -> None:
-    from quantloop import forkserver
-
-    if not forkserver.enabled():
-        print("quantloop engine --warm: QUANTLOOP_FORKSERVER=0: flow runs run in their own "
-              "process; nothing started")  # fmt: skip
-        return
-    env = flow_run_environment()
-    name = forkserver.address(env)
-    forkserver.start_server(name, env)  # exits at once if one holds the address
-    print(f"quantloop engine --warm: a warm process for flow runs: log {forkserver.log_path(env)}")
