@@ -442,8 +442,11 @@ def _become(conn: socket.socket, fds: list[int], request: dict) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=stream.isatty())
+    # as an interpreter started on these streams buffers them: stdout by line on a
+    # terminal, stderr by line always (Python 3.9+), so a pipe (a Prefect worker's, a
+    # `| tee`) gets each log line as it is written
+    sys.stdout.reconfigure(line_buffering=sys.stdout.isatty())
+    sys.stderr.reconfigure(line_buffering=True)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
