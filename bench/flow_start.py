@@ -110,7 +110,7 @@ def main() -> None:
                 return {"out": str(folder / f"where{n}.json")}
 
             runs: dict[tuple[str, str], list[dict]] = {key: [] for key in names}
-            with prefect_worker(api, POOL, folder / "worker"):
+            with prefect_worker(api, POOL, folder / "worker", prewarm=False):
                 t0 = time.perf_counter()
                 first = one_run(names["where-it-ran", "quantloop engine, warm"],
                                 params("where-it-ran"))  # fmt: skip

@@ -224,8 +224,12 @@ def prefect_worker(
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = (),
     name: str | None = None,
+    prewarm: bool = True,
 ) -> Iterator[subprocess.Popen]:
     """`prefect worker start --type process` polling `pool` every second; yields the process.
+    With `prewarm`, the warm process its flow runs use is started beside it, as `quantloop
+    serve` starts its worker's (its first run then does not import everything itself
+    while that process imports the same beside it).
 
     Flow runs it picks up run as its child processes and inherit its environment
     (`env` adds to it, and replaces what it names, HOME or TMPDIR included); the log,
@@ -257,6 +261,10 @@ def prefect_worker(
     # its environment, for a test (a worker's /proc/<pid>/environ reads empty: Prefect
     # writes its process title over it)
     proc.env = worker_env
+    if prewarm:  # `quantloop engine --warm` in the worker's environment
+        subprocess.run([sys.executable, "-m", "quantloop.forkserver", "--flow-runs"],
+                       env=worker_env, stdout=log, stderr=subprocess.STDOUT, timeout=300,
+                       check=True)  # fmt: skip
     try:
         yield proc
     finally:

@@ -158,7 +158,7 @@ def test_flow_runs_after_the_first_run_in_a_warm_process_and_cancel_there(prefec
     log = tmp_path / "worker" / "prefect-worker.log"
     with settings(api):
         apply([spec])
-        with servers.prefect_worker(api, pool, tmp_path / "worker",
+        with servers.prefect_worker(api, pool, tmp_path / "worker", prewarm=False,
                                     env={"PREFECT_API_AUTH_STRING": AUTH}):  # fmt: skip
             runs = [run_deployment("where-it-ran/warm", parameters={"out": str(reports[i])},
                                    timeout=300) for i in range(2)]  # fmt: skip
@@ -187,7 +187,7 @@ def test_flow_runs_after_the_first_run_in_a_warm_process_and_cancel_there(prefec
         # Another worker (its own environment), its warm process started beforehand by
         # `quantloop engine --warm` in its environment, as `quantloop serve` does: its
         # first run is already a warm child.
-        with servers.prefect_worker(api, pool, tmp_path / "worker2",
+        with servers.prefect_worker(api, pool, tmp_path / "worker2", prewarm=False,
                                     env={"PREFECT_API_AUTH_STRING": AUTH}) as worker:  # fmt: skip
             env = worker.env
             warmed = subprocess.run([str(Path(sys.executable).parent / "quantloop"), "engine",
