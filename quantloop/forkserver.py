@@ -253,12 +253,11 @@ def start_server(name: str, env: dict[str, str] | None = None) -> None:
 def flow_run_environment() -> dict[str, str]:
     """The environment a Prefect process worker started with this one gives its flow
     runs, less the variables it sets per run (PREFECT__*, not part of an address): this
-    one, with its Prefect settings written out as variables over it
-    (prefect.workers.base.BaseJobConfiguration._base_environment)."""
-    from prefect.settings import get_current_settings
+    one, with its Prefect settings written out as variables over it, by the worker's own
+    code (a setting is written as Prefect writes it: "False", "1.0")."""
+    from prefect.workers.base import BaseJobConfiguration
 
-    settings = get_current_settings().to_environment_variables(exclude_unset=True)
-    return {**os.environ, **{k: str(v) for k, v in settings.items()}}
+    return {**os.environ, **BaseJobConfiguration._base_environment()}
 
 
 def start_for_flow_runs() -> str | None:

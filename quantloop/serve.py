@@ -265,16 +265,14 @@ def warm_flow_runs(worker: Service) -> None:
     """Start the warm process the worker's flow runs use (`quantloop engine --warm` in
     the worker's environment: `python -m quantloop.forkserver --flow-runs`), beside the
     worker's own start: the researcher's first run from the UI is then a forked child
-    too. Carrying the stack's tag, it is ended with the stack. Nothing when
-    QUANTLOOP_FORKSERVER=0."""
+    too. Carrying the stack's tag, it is ended with the stack (with QUANTLOOP_FORKSERVER=0
+    it starts nothing and says so in the worker's log)."""
     import subprocess
     import threading
 
     from quantloop.supervisor import STACK_ENV
 
     env = {**worker.env, STACK_ENV: worker.tag}
-    if env.get("QUANTLOOP_FORKSERVER", "1") == "0":
-        return
 
     def start() -> None:
         with open(worker.log, "ab") as log:

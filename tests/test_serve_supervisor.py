@@ -218,7 +218,7 @@ def test_serve_restarts_what_dies_and_leaves_nothing_running(home, tmp_path):
         wait_in_training(served, run_id)
         # the run is a child of the worker's warm process (started beside the worker),
         # both carrying the stack's tag
-        warm = [p for p in stack_processes(home) if "quantloop.forkserver" in p.cmdline()[2:3]]
+        warm = [p for p in stack_processes(home) if "quantloop.forkserver" in p.cmdline()]
         assert len(warm) >= 2, [p.cmdline() for p in stack_processes(home)]
         in_flight = {r.id for r in flow_runs(served) if not r.state.is_final()}
         opened = {k for k, v in mlflow_statuses(home).items() if v == "RUNNING"}
