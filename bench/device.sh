@@ -19,7 +19,8 @@
 #                                            feature changed, training changed), REPEAT (3)
 #                                            each, on the ladder's workload shape; CASES
 #                                            picks them (bench/turnaround.py --cases),
-#                                            COLD_REPEAT the cold runs, TURN_NAME the files
+#                                            COLD_REPEAT the cold runs, TURN_NAME the files;
+#                                            CUDA_OPEN=1: bench/cuda_open.py first
 #   bash bench/device.sh research-sweep OUT COMMIT  one H200: `quantloop run` of a sweep with
 #                                            walk-forward folds (research-h200-sweep.json)
 #   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
@@ -170,6 +171,11 @@ if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
     --target /tmp/site "$wheels"/*.whl || exit 1
   echo "== wheels installed at $((SECONDS - start)) s"
   params=$(realpath "$params") out=$(realpath "$out")
+  if [ -n "${CUDA_OPEN:-}" ]; then  # first: which import opens the CUDA driver
+    (cd /tmp && PYTHONPATH=/tmp/site timeout 150 python3 -P "$repo/bench/cuda_open.py") \
+      2>&1 | grep -v Warn | tee "$out/cuda-open.jsonl" | cut -c1-3000
+    echo "== cuda_open at $((SECONDS - start)) s"
+  fi
   # A warm machine keeps /tmp: end the resident Prefect APIs a call that ran out of time
   # left (they run in sessions of their own), then start from empty homes and empty
   # Inductor and Triton caches, as a fresh machine would.

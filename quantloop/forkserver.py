@@ -102,8 +102,12 @@ WARM_MODULES = (
     "arch.covariance.kernel",
 )
 # called once the modules are in: matplotlib with its Agg backend (pyplot picks a backend
-# at import; plots._pyplot chooses it as a run would)
-WARM_CALLS = ("quantloop.tasks.records.plots:_pyplot",)
+# at import; plots._pyplot chooses it as a run would), and torch.export's first call
+# (a registration's export runs in a child of this process: tasks/records/registry.py)
+WARM_CALLS = (
+    "quantloop.tasks.records.plots:_pyplot",
+    "quantloop.tasks.records.registry:warm_export",
+)
 
 
 def enabled() -> bool:

@@ -237,15 +237,57 @@ def export_stored(model_url: str, example: str, local: str, meta: dict[str, str]
     return {"files": sorted(os.listdir(local))}
 
 
+def warm_export() -> None:
+    """A tiny model exported as `save_exported` exports a trained one, thrown away: run
+    by the warm process (quantloop/forkserver.WARM_CALLS), so that a registration's
+    export in one of its children finds torch.export's ~500 modules imported and its
+    first-call set-up done. Measured on a 2-core VM: the research shape's export in a
+    fresh child 2.0 s cold, 1.1 s after this (1.2 s once, in the warm process); on an
+    H200 the cold export (6.2 s) outlasted the simulation beside it and the run waited
+    3.4 s for it (bench/results/turnaround-h200-ahead-notes.md). CPU only, tensors of a
+    few elements: no CUDA device opened. No kernel runs for real either (the export
+    traces fake tensors, the signature's output is given): the warm process's children
+    are forked, and a parent that once entered an OpenMP parallel region (a LayerNorm of
+    8 rows did) leaves its children hanging in their first one (libgomp is not
+    fork-safe; a registration's export hung so in a test). One intra-op thread meanwhile,
+    for what torch.export might still compute."""
+    import torch
+
+    from quantloop.models.orderbook import ModelConfig, OrderBookNet
+    from quantloop.models.predictor import Predictor
+
+    cfg = ModelConfig(n_features=2, n_outputs=1, d_model=4, n_layers=1, n_heads=1,
+                      ff_mult=1, max_len=4)  # fmt: skip
+    one, zero = torch.ones(2), torch.zeros(2)
+    model = Predictor(OrderBookNet(cfg), zero, one, zero[:1], one[:1], 5.0).eval()
+    example = np.zeros((2, 4, 2), np.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory(prefix="quantloop-warm-export-") as tmp:
+            save_exported(model, example, os.path.join(tmp, "model"),
+                          {"artifact_path": tmp, "model_uuid": "warm", "run_id": "warm",
+                           "model_id": "warm"}, out=np.zeros((2, 1), np.float32))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+
+
 def save_exported(
-    model: Predictor, example: np.ndarray, local: str, meta: Mapping[str, str]
+    model: Predictor,
+    example: np.ndarray,
+    local: str,
+    meta: Mapping[str, str],
+    out: np.ndarray | None = None,
 ) -> None:
+    """`out`: the model's output on `example` (its signature's), computed here if not
+    given."""
     import mlflow.pytorch
     import torch
     from mlflow.models import Model, infer_signature
 
-    with torch.no_grad():
-        out = model(torch.from_numpy(example)).numpy()
+    if out is None:
+        with torch.no_grad():
+            out = model(torch.from_numpy(example)).numpy()
     mlflow.pytorch.save_model(
         model, local, mlflow_model=Model(**meta),
         signature=infer_signature(example, out), input_example=example,
