@@ -90,11 +90,19 @@ def child(mode: str, names: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("modules", nargs="*", default=list(DEFAULT))
+    ap.add_argument(
+        "--warm-only",
+        action="store_true",
+        help="the warm imports and calls only; exit 1 if they open a device",
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     base = child("plain", [])
     print(json.dumps({"warm": {k: base[k] for k in
                                ("warm_s", "warm_modules_open", "warm_calls_open")}}))  # fmt: skip
+    if args.warm_only:
+        opened = base["warm_modules_open"] or any(o for _, o in base["warm_calls_open"])
+        sys.exit(1 if opened else 0)
     for module in args.modules:
         rec = child("record", [module])
         finding = {"module": module, "open": rec["open"], "modules": len(rec["order"]),

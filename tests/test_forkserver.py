@@ -377,3 +377,25 @@ def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(
     with pytest.raises(overlap.Unavailable, match="QUANTLOOP_OVERLAP=0"):
         overlap.call("quantloop.tasks.records.registry:export_stored", {})
     assert len([line for line in warm.lines() if ": call " in line]) == 1
+
+
+def test_the_warm_export_leaves_the_server_fit_to_fork(monkeypatch):
+    """registry.warm_export, which the server runs before it serves (WARM_CALLS), asks
+    nothing of CUDA (where CUDA is built, `torch.cuda.is_available()` initializes the
+    driver, and the server then refuses to serve: it did on an H200) and restores what
+    it changed for the call. Its other half, no OpenMP region entered, is what the export
+    test above runs into: a forked export hung in its first LayerNorm when it was not so."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from quantloop.tasks.records import registry
+
+    assert "quantloop.tasks.records.registry:warm_export" in forkserver.WARM_CALLS
+    asked: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append("is_available"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: asked.append("device_count"))
+    prop, threads = FakeTensorMode.__dict__["avoid_device_init"], torch.get_num_threads()
+    registry.warm_export()
+    assert asked == []
+    assert FakeTensorMode.__dict__["avoid_device_init"] is prop
+    assert torch.get_num_threads() == threads

@@ -241,17 +241,23 @@ def warm_export() -> None:
     """A tiny model exported as `save_exported` exports a trained one, thrown away: run
     by the warm process (quantloop/forkserver.WARM_CALLS), so that a registration's
     export in one of its children finds torch.export's ~500 modules imported and its
-    first-call set-up done. Measured on a 2-core VM: the research shape's export in a
-    fresh child 2.0 s cold, 1.1 s after this (1.2 s once, in the warm process); on an
-    H200 the cold export (6.2 s) outlasted the simulation beside it and the run waited
-    3.4 s for it (bench/results/turnaround-h200-ahead-notes.md). CPU only, tensors of a
-    few elements: no CUDA device opened. No kernel runs for real either (the export
-    traces fake tensors, the signature's output is given): the warm process's children
-    are forked, and a parent that once entered an OpenMP parallel region (a LayerNorm of
-    8 rows did) leaves its children hanging in their first one (libgomp is not
-    fork-safe; a registration's export hung so in a test). One intra-op thread meanwhile,
-    for what torch.export might still compute."""
+    first-call set-up done. On a 2-core VM the research shape's export in a forked child
+    took 2.0-2.2 s without this, 0.7 s after it (1.4 s once, in the warm process); on an
+    H200 the export (6.2 s) outlasted the simulation beside it and the run waited 3.4 s
+    for it (bench/results/turnaround-h200-ahead-notes.md).
+
+    The warm process must stay fit to fork, so:
+    - no kernel runs for real (the export traces fake tensors; the signature's output is
+      given) and one intra-op thread meanwhile: a parent that once entered an OpenMP
+      parallel region (a LayerNorm of 8 rows did) leaves its forked children hanging in
+      their first one (libgomp is not fork-safe; tests/test_forkserver.py's export hung);
+    - no CUDA driver: the export's one CUDA call (469 times) is
+      FakeTensorMode.avoid_device_init asking `torch.cuda.is_available()`, which runs
+      cuInit; on the H200 it opened /dev/nvidiactl and the warm process refused to serve
+      (bench/cuda_open.py). Inside this call it answers True, as it does where CUDA is
+      not built: the CPU export's own path."""
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from quantloop.models.orderbook import ModelConfig, OrderBookNet
     from quantloop.models.predictor import Predictor
@@ -263,12 +269,15 @@ def warm_export() -> None:
     example = np.zeros((2, 4, 2), np.float32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    asks_cuda = FakeTensorMode.avoid_device_init
+    FakeTensorMode.avoid_device_init = property(lambda self: True)  # type: ignore[method-assign]
     try:
         with tempfile.TemporaryDirectory(prefix="quantloop-warm-export-") as tmp:
             save_exported(model, example, os.path.join(tmp, "model"),
                           {"artifact_path": tmp, "model_uuid": "warm", "run_id": "warm",
                            "model_id": "warm"}, out=np.zeros((2, 1), np.float32))  # fmt: skip
     finally:
+        FakeTensorMode.avoid_device_init = asks_cuda  # type: ignore[method-assign]
         torch.set_num_threads(threads)
 
 
