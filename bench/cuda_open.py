@@ -78,6 +78,61 @@ print("RESULT " + json.dumps(out))
 """
 
 
+# run in a fresh interpreter: warm imports, the warm calls before argv's one, then that
+# one under a profiler that checks for an open device after every return
+TRACE = r"""
+import collections, importlib, json, os, sys, threading, traceback
+target = sys.argv[1]
+def opened():
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            t = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if t.startswith("/dev/nvidia"):
+            return t
+    return None
+from quantloop import forkserver
+for m in forkserver.WARM_MODULES:
+    importlib.import_module(m)
+for call in forkserver.WARM_CALLS:
+    if call == target:
+        break
+    module, _, function = call.partition(":")
+    getattr(importlib.import_module(module), function)()
+recent = collections.deque(maxlen=40)
+found = {}
+def prof(frame, event, arg):
+    if found:
+        return
+    if event.startswith("c_"):
+        name = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", "?")
+    else:
+        name = frame.f_code.co_name
+    recent.append(f"{event} {name} @ {frame.f_code.co_filename}:{frame.f_lineno}")
+    if event in ("c_return", "return"):
+        dev = opened()
+        if dev:
+            found.update(device=dev, last=list(recent), thread=threading.current_thread().name,
+                         stack="".join(traceback.format_stack(frame, limit=30)))
+threading.setprofile(prof)
+sys.setprofile(prof)
+module, _, function = target.partition(":")
+getattr(importlib.import_module(module), function)()
+sys.setprofile(None)
+print("RESULT " + json.dumps({"call": target, "open": opened(), **found}))
+"""
+
+
+def trace(call: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", TRACE, call], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"trace failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+
+
 def child(mode: str, names: list[str]) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, mode, json.dumps(names)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -95,13 +150,22 @@ def main() -> None:
         action="store_true",
         help="the warm imports and calls only; exit 1 if they open a device",
     )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="as --warm-only, and the first warm call that opens a device run again "
+        "under a profiler: the calls before the device was found open",
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     base = child("plain", [])
     print(json.dumps({"warm": {k: base[k] for k in
                                ("warm_s", "warm_modules_open", "warm_calls_open")}}))  # fmt: skip
-    if args.warm_only:
+    if args.warm_only or args.trace:
         opened = base["warm_modules_open"] or any(o for _, o in base["warm_calls_open"])
+        if opened and args.trace:  # the first warm call that opens one, traced
+            first = next(c for c, o in base["warm_calls_open"] if o)
+            print(json.dumps(trace(first)))
         sys.exit(1 if opened else 0)
     for module in args.modules:
         rec = child("record", [module])

@@ -173,9 +173,11 @@ if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
   params=$(realpath "$params") out=$(realpath "$out")
   if [ -n "${CUDA_OPEN:-}" ]; then  # first: does the warm process open the CUDA driver
     # (it then serves no one and the bench waits 300 s for nothing: stop here instead);
-    # CUDA_OPEN=all: which of Inductor's imports opens it, too (minutes)
+    # CUDA_OPEN=trace: the warm call that opens it traced; =all: which of Inductor's
+    # imports opens it, too (minutes)
     (cd /tmp && PYTHONPATH=/tmp/site timeout 300 python3 -P "$repo/bench/cuda_open.py" \
-      $([ "$CUDA_OPEN" = all ] || echo --warm-only)) > "$out/cuda-open.jsonl" 2>/tmp/cuda-open.err
+      $(case "$CUDA_OPEN" in all) ;; trace) echo --trace ;; *) echo --warm-only ;; esac)) \
+      > "$out/cuda-open.jsonl" 2>/tmp/cuda-open.err
     rc=$?
     cut -c1-3000 "$out/cuda-open.jsonl"
     echo "== cuda_open rc $rc at $((SECONDS - start)) s"
