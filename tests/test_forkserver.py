@@ -381,10 +381,11 @@ def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(
 
 def test_the_warm_export_leaves_the_server_fit_to_fork(monkeypatch):
     """registry.warm_export, which the server runs before it serves (WARM_CALLS), asks
-    nothing of CUDA (where CUDA is built, `torch.cuda.is_available()` initializes the
-    driver, and the server then refuses to serve: it did on an H200) and restores what
-    it changed for the call. Its other half, no OpenMP region entered, is what the export
-    test above runs into: a forked export hung in its first LayerNorm when it was not so."""
+    nothing of CUDA (where CUDA is built, `torch.cuda.is_available()` and the device
+    guard's set-up initialize the driver, and the server then refuses to serve: it did
+    on an H200) and restores what it changed for the call. Its other half, no OpenMP
+    region entered, is what the export test above runs into: a forked export hung in its
+    first LayerNorm when it was not so."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -394,6 +395,8 @@ def test_the_warm_export_leaves_the_server_fit_to_fork(monkeypatch):
     asked: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append("is_available"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: asked.append("device_count"))
+    monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet",
+                        lambda: asked.append("_ensureCUDADeviceGuardSet"))  # fmt: skip
     prop, threads = FakeTensorMode.__dict__["avoid_device_init"], torch.get_num_threads()
     registry.warm_export()
     assert asked == []

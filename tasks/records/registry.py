@@ -251,11 +251,15 @@ def warm_export() -> None:
       given) and one intra-op thread meanwhile: a parent that once entered an OpenMP
       parallel region (a LayerNorm of 8 rows did) leaves its forked children hanging in
       their first one (libgomp is not fork-safe; tests/test_forkserver.py's export hung);
-    - no CUDA driver: the export's one CUDA call (469 times) is
-      FakeTensorMode.avoid_device_init asking `torch.cuda.is_available()`, which runs
-      cuInit; on the H200 it opened /dev/nvidiactl and the warm process refused to serve
-      (bench/cuda_open.py). Inside this call it answers True, as it does where CUDA is
-      not built: the CPU export's own path."""
+    - no CUDA driver: the export's CUDA calls are FakeTensorMode's. Its
+      avoid_device_init asks `torch.cuda.is_available()` (469 times), which runs cuInit
+      where CUDA is built; where the answer is no, its __enter__ calls
+      `torch._C._ensureCUDADeviceGuardSet()`, which initializes CUDA as well. On the H200
+      each left /dev/nvidiactl open and the warm process refused to serve
+      (bench/cuda_open.py --trace found both, one call each). Inside this call
+      avoid_device_init answers False without asking: the path an export takes on a
+      machine with a GPU, where the registration's own export runs; nothing here moves
+      a tensor to a device, which is all the answer changes."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -270,7 +274,7 @@ def warm_export() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     asks_cuda = FakeTensorMode.avoid_device_init
-    FakeTensorMode.avoid_device_init = property(lambda self: True)  # type: ignore[method-assign]
+    FakeTensorMode.avoid_device_init = property(lambda self: False)  # type: ignore[method-assign]
     try:
         with tempfile.TemporaryDirectory(prefix="quantloop-warm-export-") as tmp:
             save_exported(model, example, os.path.join(tmp, "model"),
