@@ -2,14 +2,16 @@
 process's imports (quantloop/forkserver.py refuses to serve once a /dev/nvidia* device is
 open in it, since a forked child cannot use its parent's CUDA state).
 
-    python bench/cuda_open.py [MODULE ...]
+    python bench/cuda_open.py [--warm-only | --trace] [MODULE ...]
 
-First the warm process's own imports and calls (WARM_MODULES, WARM_CALLS), as it makes
-them: open or not. Then, for each MODULE (default: the Inductor modules that
-`torch._dynamo.reset()` imports where CUDA is available), in a fresh interpreter with
-the warm imports in: the modules it imports in their order, bisected (each half
-imported in a fresh interpreter) to the first whose import leaves the device open, and
-the Python stacks of the torch.cuda calls made meanwhile. One JSON line per finding.
+First the warm process's own warm-up (quantloop/forkserver.warm_up: WARM_MODULES,
+WARM_INDUCTOR, WARM_CALLS), as it makes it: open or not after each step. --trace: the
+first step that opens a device run again in a fresh interpreter under a profiler, with
+the calls and the stack at which it was first found open. Otherwise, for each MODULE
+(imported after the warm-up), in a fresh interpreter: the modules it imports in their
+order, bisected (each half imported in a fresh interpreter) to the first whose import
+leaves the device open, and the Python stacks of the torch.cuda calls made meanwhile.
+One JSON line per finding.
 """
 
 from __future__ import annotations
@@ -37,16 +39,10 @@ def opened():
     return None
 from quantloop import forkserver
 t0 = time.perf_counter()
-for m in forkserver.WARM_MODULES:
-    importlib.import_module(m)
-after_modules = opened()
-calls = []
-for call in forkserver.WARM_CALLS:
-    module, _, function = call.partition(":")
-    getattr(importlib.import_module(module), function)()
-    calls.append([call, opened()])
-out = {"warm_s": round(time.perf_counter() - t0, 2), "warm_modules_open": after_modules,
-       "warm_calls_open": calls}
+steps = []
+forkserver.warm_up(after=lambda step: steps.append([step, opened()]))
+out = {"warm_s": round(time.perf_counter() - t0, 2), "warm_modules_open": steps[0][1],
+       "warm_calls_open": steps[1:]}
 import torch
 stacks = []
 def wrap(owner, name):
@@ -78,8 +74,8 @@ print("RESULT " + json.dumps(out))
 """
 
 
-# run in a fresh interpreter: warm imports, the warm calls before argv's one, then that
-# one under a profiler that checks for an open device after every return
+# run in a fresh interpreter: the warm process's warm-up, the step argv names under a
+# profiler that checks for an open device after every return
 TRACE = r"""
 import collections, importlib, json, os, sys, threading, traceback
 target = sys.argv[1]
@@ -93,13 +89,7 @@ def opened():
             return t
     return None
 from quantloop import forkserver
-for m in forkserver.WARM_MODULES:
-    importlib.import_module(m)
-for call in forkserver.WARM_CALLS:
-    if call == target:
-        break
-    module, _, function = call.partition(":")
-    getattr(importlib.import_module(module), function)()
+order = ["modules", *forkserver.WARM_INDUCTOR, *forkserver.WARM_CALLS]
 recent = collections.deque(maxlen=40)
 found = {}
 def prof(frame, event, arg):
@@ -115,10 +105,17 @@ def prof(frame, event, arg):
         if dev:
             found.update(device=dev, last=list(recent), thread=threading.current_thread().name,
                          stack="".join(traceback.format_stack(frame, limit=30)))
-threading.setprofile(prof)
-sys.setprofile(prof)
-module, _, function = target.partition(":")
-getattr(importlib.import_module(module), function)()
+def start():
+    threading.setprofile(prof)
+    sys.setprofile(prof)
+def after(step):
+    if step == target:
+        sys.setprofile(None)
+    elif order.index(step) + 1 == order.index(target):
+        start()
+if target == "modules":
+    start()
+forkserver.warm_up(after=after)
 sys.setprofile(None)
 print("RESULT " + json.dumps({"call": target, "open": opened(), **found}))
 """
@@ -164,7 +161,11 @@ def main() -> None:
     if args.warm_only or args.trace:
         opened = base["warm_modules_open"] or any(o for _, o in base["warm_calls_open"])
         if opened and args.trace:  # the first warm call that opens one, traced
-            first = next(c for c, o in base["warm_calls_open"] if o)
+            first = (
+                "modules"
+                if base["warm_modules_open"]
+                else next(c for c, o in base["warm_calls_open"] if o)
+            )
             print(json.dumps(trace(first)))
         sys.exit(1 if opened else 0)
     for module in args.modules:

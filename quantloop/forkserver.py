@@ -49,6 +49,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 IDLE_S = 600.0
 IN_CHILD = False  # true in a child that runs a command (quantloop/cli/common.quiet_console)
@@ -101,6 +102,13 @@ WARM_MODULES = (
     "scipy.stats",
     "arch.covariance.kernel",
 )
+# Inductor, which every compiled training imports (`torch._dynamo.reset()` imports its
+# CUDA graph trees where CUDA is built: 2-3 s of an H200 run's train stage) and which a
+# registration's export imports too (its serializer imports torch._inductor.ir). Imported
+# under `cuda_asked_of_devices`: at import, torch._inductor.runtime.benchmarking asks
+# `torch.cuda.is_available()`, which opened /dev/nvidiactl on the H200 (NVML), and this
+# process then served no one (bench/cuda_open.py --trace).
+WARM_INDUCTOR = ("torch._inductor.compile_fx", "torch._inductor.cudagraph_trees")
 # called once the modules are in: matplotlib with its Agg backend (pyplot picks a backend
 # at import; plots._pyplot chooses it as a run would), and torch.export's first call
 # (a registration's export runs in a child of this process: tasks/records/registry.py)
@@ -278,6 +286,54 @@ def start_for_flow_runs() -> str | None:
 # ------------------------------------------------------------------------------ server
 
 
+def warm_up(after: Callable[[str], None] | None = None) -> None:
+    """What the server imports and calls before it serves; `after(step)` after each
+    step (bench/cuda_open.py checks for an open device there)."""
+    import importlib
+
+    for module in WARM_MODULES:
+        importlib.import_module(module)
+    if after:
+        after("modules")
+    with cuda_asked_of_devices():
+        for module in WARM_INDUCTOR:
+            importlib.import_module(module)
+            if after:
+                after(module)
+        for call in WARM_CALLS:
+            module, _, function = call.partition(":")
+            getattr(importlib.import_module(module), function)()
+            if after:
+                after(call)
+
+
+@contextlib.contextmanager
+def cuda_asked_of_devices() -> Iterator[None]:
+    """`torch.cuda.is_available()` answered inside the block without the driver: True
+    where torch is built with CUDA, CUDA_VISIBLE_DEVICES hides nothing and a GPU's
+    device node is there (/dev/nvidia0 ...). The real question initializes the driver
+    (cuInit, or NVML with PYTORCH_NVML_BASED_CUDA_CHECK=1), and a forked child cannot
+    use a driver its parent opened. What an import computes from the answer (Inductor's
+    choice of benchmarker) is what a child on the same machine would compute."""
+    import torch
+
+    asked = torch.cuda.is_available
+
+    def answer() -> bool:
+        if not torch.cuda._is_compiled():
+            return False
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None and visible.strip() in ("", "-1"):
+            return False
+        return any(n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev"))
+
+    torch.cuda.is_available = answer
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = asked
+
+
 def serve(name: str, idle_s: float) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -288,13 +344,7 @@ def serve(name: str, idle_s: float) -> None:
     # for the fork instead of paying the same imports itself.
     listener.listen(64)
     t0 = time.perf_counter()
-    import importlib
-
-    for module in WARM_MODULES:
-        importlib.import_module(module)
-    for call in WARM_CALLS:
-        module, _, function = call.partition(":")
-        getattr(importlib.import_module(module), function)()
+    warm_up()
     files = _module_files()
     cuda = _cuda_opened()
     if cuda is not None:

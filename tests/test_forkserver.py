@@ -379,26 +379,51 @@ def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(
     assert len([line for line in warm.lines() if ": call " in line]) == 1
 
 
-def test_the_warm_export_leaves_the_server_fit_to_fork(monkeypatch):
-    """registry.warm_export, which the server runs before it serves (WARM_CALLS), asks
-    nothing of CUDA (where CUDA is built, `torch.cuda.is_available()` and the device
-    guard's set-up initialize the driver, and the server then refuses to serve: it did
-    on an H200) and restores what it changed for the call. Its other half, no OpenMP
-    region entered, is what the export test above runs into: a forked export hung in its
-    first LayerNorm when it was not so."""
+def torch_cuda_built() -> bool:
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from quantloop.tasks.records import registry
+    return torch.cuda._is_compiled() and any(
+        n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev"))  # fmt: skip
 
-    assert "quantloop.tasks.records.registry:warm_export" in forkserver.WARM_CALLS
-    asked: list[str] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append("is_available"))
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: asked.append("device_count"))
-    monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet",
-                        lambda: asked.append("_ensureCUDADeviceGuardSet"))  # fmt: skip
-    prop, threads = FakeTensorMode.__dict__["avoid_device_init"], torch.get_num_threads()
-    registry.warm_export()
-    assert asked == []
-    assert FakeTensorMode.__dict__["avoid_device_init"] is prop
-    assert torch.get_num_threads() == threads
+
+def test_the_warm_up_leaves_the_server_fit_to_fork():
+    """forkserver.warm_up, in a fresh interpreter as the server runs it, asks nothing of
+    CUDA: where CUDA is built, `torch.cuda.is_available()` (asked at import by Inductor's
+    benchmarking module, and by torch.export's fake tensors) and the device guard's
+    set-up (FakeTensorMode.__enter__ where no device is said to be there) initialize the
+    driver, and the server then refuses to serve: each did on an H200. It restores what
+    it changed for the calls. Its other half, no OpenMP region entered, is what the
+    export test above runs into: a forked export hung in its first LayerNorm when the
+    warm-up ran a LayerNorm for real. Inductor's question at import is torch 2.11's (the
+    H200's); this machine's torch asks it later, so here the block that answers it
+    (cuda_asked_of_devices) is asked directly."""
+    code = """
+import json, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from quantloop import forkserver
+asked = []
+def recorder(name):
+    return lambda *a, **k: asked.append(name)
+torch.cuda.is_available = recorder("is_available")
+torch.cuda.device_count = recorder("device_count")
+torch._C._ensureCUDADeviceGuardSet = recorder("_ensureCUDADeviceGuardSet")
+is_available = torch.cuda.is_available
+prop, threads = FakeTensorMode.__dict__["avoid_device_init"], torch.get_num_threads()
+forkserver.warm_up()
+with forkserver.cuda_asked_of_devices():  # what Inductor's import asks, under torch 2.11
+    answered = torch.cuda.is_available()
+print(json.dumps({
+    "asked": asked,
+    "answered": answered,
+    "inductor": "torch._inductor.cudagraph_trees" in __import__("sys").modules,
+    "restored": torch.cuda.is_available is is_available
+    and FakeTensorMode.__dict__["avoid_device_init"] is prop
+    and torch.get_num_threads() == threads,
+}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found == {"asked": [], "answered": torch_cuda_built(), "inductor": True,
+                     "restored": True}  # fmt: skip
