@@ -248,9 +248,11 @@ def warm_export() -> None:
 
     The warm process must stay fit to fork, so:
     - no kernel runs for real (the export traces fake tensors; the signature's output is
-      given) and one intra-op thread meanwhile: a parent that once entered an OpenMP
-      parallel region (a LayerNorm of 8 rows did) leaves its forked children hanging in
-      their first one (libgomp is not fork-safe; tests/test_forkserver.py's export hung);
+      given): a parent that once entered an OpenMP parallel region (a LayerNorm of 8 rows
+      did) leaves its forked children hanging in their first one (libgomp is not
+      fork-safe; tests/test_forkserver.py's export hung). Nor does it touch the intra-op
+      thread count: set to 1 and back here, the H200's children failed their first
+      parallel op ("Invalid thread pool", ParallelOpenMP.cpp, device call 6);
     - no CUDA driver: the export's CUDA calls are FakeTensorMode's. Its
       avoid_device_init asks `torch.cuda.is_available()` (469 times), which runs cuInit
       where CUDA is built; where the answer is no, its __enter__ calls
@@ -271,8 +273,6 @@ def warm_export() -> None:
     one, zero = torch.ones(2), torch.zeros(2)
     model = Predictor(OrderBookNet(cfg), zero, one, zero[:1], one[:1], 5.0).eval()
     example = np.zeros((2, 4, 2), np.float32)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     asks_cuda = FakeTensorMode.avoid_device_init
     FakeTensorMode.avoid_device_init = property(lambda self: False)  # type: ignore[method-assign]
     try:
@@ -282,7 +282,6 @@ def warm_export() -> None:
                            "model_id": "warm"}, out=np.zeros((2, 1), np.float32))  # fmt: skip
     finally:
         FakeTensorMode.avoid_device_init = asks_cuda  # type: ignore[method-assign]
-        torch.set_num_threads(threads)
 
 
 def save_exported(
