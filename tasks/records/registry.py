@@ -300,11 +300,12 @@ def save_exported(
     if out is None:
         with torch.no_grad():
             out = model(torch.from_numpy(example)).numpy()
-    mlflow.pytorch.save_model(
-        model, local, mlflow_model=Model(**meta),
-        signature=infer_signature(example, out), input_example=example,
-        pip_requirements=requirements(), serialization_format="pt2",
-    )  # fmt: skip
+    with overlap.TRACING:  # torch.export: not beside a compile in this process
+        mlflow.pytorch.save_model(
+            model, local, mlflow_model=Model(**meta),
+            signature=infer_signature(example, out), input_example=example,
+            pip_requirements=requirements(), serialization_format="pt2",
+        )  # fmt: skip
 
 
 def _create_version(

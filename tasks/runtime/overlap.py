@@ -36,6 +36,12 @@ from typing import Any
 from quantloop.tasks.runtime import timeline
 
 OFF_ENV = "QUANTLOOP_OVERLAP"
+# One graph capture at a time in a process: torch.export (a registration's, when it runs
+# here, in a thread beside the stages) and Inductor's lowering of a first compiled call
+# share torch's global decomposition tables. Beside each other on an H200 the replay's
+# compile failed, "both a fallback and a decomp for same op:
+# aten.native_layer_norm.default" (bench/results/turnaround-h200-ahead-notes.md, call 6).
+TRACING = threading.Lock()
 # The warm process that forked this command (its abstract socket's name); set in the
 # command's process by quantloop/forkserver.py at the fork, None in any other process.
 SERVER: str | None = None
