@@ -264,6 +264,7 @@ def train_prepared(
     marks = warmup_marks(W, cfg.steps, sw.cudagraph)
     steps = timeline.Chain()
     steps.switch("train: compile cache load")
+    tracing = contextlib.ExitStack()  # held from the first step to the end of the warm-up
     try:
         with (
             compile_cache_kept(
@@ -276,8 +277,11 @@ def train_prepared(
             if cuda and cached["state"] == "loaded" and overlap.enabled():
                 no_compile_workers()
             timer.start()
+            if sw.compile:  # the warm-up compiles: no torch.export beside it (overlap.TRACING)
+                tracing.enter_context(overlap.TRACING)
             for step in range(cfg.steps):
                 if step == W:
+                    tracing.close()
                     warmup_s = timer.stop()[1]
                     sampler.__enter__()
                     timer.start()
@@ -285,12 +289,14 @@ def train_prepared(
                     measure.sync(device)
                     steps.switch(marks[step])
                 training.step(step)
+            tracing.close()  # a run no longer than its warm-up
             if cfg.steps > W:
                 timed = timer.stop()[0]
                 sampler.__exit__(None, None, None)
             measure.sync(device)
             steps.switch("train: compile cache store")  # on a miss, the block's exit
     finally:
+        tracing.close()
         steps.close()
         training.close()
     loss = training.logger.series()[0]  # the loss read back: the run's last host sync
