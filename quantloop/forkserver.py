@@ -296,7 +296,9 @@ def warm_up(after: Callable[[str], None] | None = None) -> None:
     if after:
         after("modules")
     with cuda_asked_of_devices():
-        for module in WARM_INDUCTOR:
+        # only where a GPU is: on a CPU `auto` compiles nothing (profiling/proof.py), and
+        # the import costs ~3 s of CPU and ~150 MB in every warm process
+        for module in WARM_INDUCTOR if gpu_present() else ():
             importlib.import_module(module)
             if after:
                 after(module)
@@ -307,27 +309,30 @@ def warm_up(after: Callable[[str], None] | None = None) -> None:
                 after(call)
 
 
+def gpu_present() -> bool:
+    """torch is built with CUDA, CUDA_VISIBLE_DEVICES hides nothing and a GPU's device
+    node is there (/dev/nvidia0 ...): asked without the driver."""
+    import torch
+
+    if not torch.cuda._is_compiled():
+        return False
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return any(n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev"))
+
+
 @contextlib.contextmanager
 def cuda_asked_of_devices() -> Iterator[None]:
-    """`torch.cuda.is_available()` answered inside the block without the driver: True
-    where torch is built with CUDA, CUDA_VISIBLE_DEVICES hides nothing and a GPU's
-    device node is there (/dev/nvidia0 ...). The real question initializes the driver
+    """`torch.cuda.is_available()` answered inside the block without the driver
+    (`gpu_present`). The real question initializes the driver
     (cuInit, or NVML with PYTORCH_NVML_BASED_CUDA_CHECK=1), and a forked child cannot
     use a driver its parent opened. What an import computes from the answer (Inductor's
     choice of benchmarker) is what a child on the same machine would compute."""
     import torch
 
     asked = torch.cuda.is_available
-
-    def answer() -> bool:
-        if not torch.cuda._is_compiled():
-            return False
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None and visible.strip() in ("", "-1"):
-            return False
-        return any(n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev"))
-
-    torch.cuda.is_available = answer
+    torch.cuda.is_available = gpu_present
     try:
         yield
     finally:
