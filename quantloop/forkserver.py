@@ -299,14 +299,23 @@ def warm_up(after: Callable[[str], None] | None = None) -> None:
         # only where a GPU is: on a CPU `auto` compiles nothing (profiling/proof.py), and
         # the import costs ~3 s of CPU and ~150 MB in every warm process
         for module in WARM_INDUCTOR if gpu_present() else ():
-            importlib.import_module(module)
+            _speed_up(module, lambda m=module: importlib.import_module(m))
             if after:
                 after(module)
         for call in WARM_CALLS:
             module, _, function = call.partition(":")
-            getattr(importlib.import_module(module), function)()
+            _speed_up(call, lambda m=module, f=function: getattr(importlib.import_module(m), f)())
             if after:
                 after(call)
+
+
+def _speed_up(what: str, do: Callable[[], object]) -> None:
+    """A step of the warm-up that only saves the commands time: one that fails is said in
+    the log and left out (each command then does it itself), not the end of the server."""
+    try:
+        do()
+    except Exception as exc:  # noqa: BLE001 - any failure: the server serves without it
+        _log(f"warm-up step {what} failed, left out: {type(exc).__name__}: {exc}")
 
 
 def gpu_present() -> bool:

@@ -427,3 +427,21 @@ print(json.dumps({
     # Inductor in too where a GPU is (on a CPU nothing compiles: not imported)
     assert found == {"asked": [], "answered": torch_cuda_built(),
                      "inductor": torch_cuda_built(), "restored": True}  # fmt: skip
+
+
+def test_a_failing_warm_up_step_is_logged_and_left_out():
+    """A warm-up step only saves commands time (Inductor's import, the export's first
+    call): one that fails is said in the server's log, and the server goes on to serve."""
+    code = (
+        "from quantloop import forkserver\n"
+        "forkserver.WARM_MODULES = ()\n"
+        "forkserver.WARM_CALLS = ('os:no_such_function', 'quantloop.tasks.records.plots:_pyplot')\n"
+        "forkserver.warm_up()\n"
+        "print('serving')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "warm-up step os:no_such_function failed, left out: AttributeError" in lines[0]
+    assert lines[1:] == ["serving"]
