@@ -41,7 +41,7 @@ OFF_ENV = "QUANTLOOP_OVERLAP"
 # share torch's global decomposition tables. Beside each other on an H200 the replay's
 # compile failed, "both a fallback and a decomp for same op:
 # aten.native_layer_norm.default" (bench/results/turnaround-h200-ahead-notes.md, call 6).
-TRACING = threading.Lock()
+TRACING = threading.RLock()  # re-entrant: a capture that calls another in its thread
 # The warm process that forked this command (its abstract socket's name); set in the
 # command's process by quantloop/forkserver.py at the fork, None in any other process.
 SERVER: str | None = None
