@@ -20,7 +20,7 @@
 #                                            each, on the ladder's workload shape; CASES
 #                                            picks them (bench/turnaround.py --cases),
 #                                            COLD_REPEAT the cold runs, TURN_NAME the files;
-#                                            CUDA_OPEN=1: bench/cuda_open.py first
+#                                            CUDA_OPEN=1 (or trace): bench/cuda_open.py first
 #   bash bench/device.sh research-sweep OUT COMMIT  one H200: `quantloop run` of a sweep with
 #                                            walk-forward folds (research-h200-sweep.json)
 #   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
@@ -173,11 +173,9 @@ if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
   params=$(realpath "$params") out=$(realpath "$out")
   if [ -n "${CUDA_OPEN:-}" ]; then  # first: does the warm process open the CUDA driver
     # (it then serves no one and the bench waits 300 s for nothing: stop here instead);
-    # CUDA_OPEN=trace: the warm call that opens it traced; =all: which of Inductor's
-    # imports opens it, too (minutes)
+    # CUDA_OPEN=trace: the step that opens it, traced (minutes)
     (cd /tmp && PYTHONPATH=/tmp/site timeout 300 python3 -P "$repo/bench/cuda_open.py" \
-      $(case "$CUDA_OPEN" in all) ;; trace) echo --trace ;; *) echo --warm-only ;; esac)) \
-      > "$out/cuda-open.jsonl" 2>/tmp/cuda-open.err
+      $([ "$CUDA_OPEN" = trace ] && echo --trace)) > "$out/cuda-open.jsonl" 2>/tmp/cuda-open.err
     rc=$?
     cut -c1-3000 "$out/cuda-open.jsonl"
     echo "== cuda_open rc $rc at $((SECONDS - start)) s"
