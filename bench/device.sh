@@ -20,7 +20,8 @@
 #                                            each, on the ladder's workload shape; CASES
 #                                            picks them (bench/turnaround.py --cases),
 #                                            COLD_REPEAT the cold runs, TURN_NAME the files;
-#                                            CUDA_OPEN=1 (or trace): bench/cuda_open.py first
+#                                            CUDA_OPEN=1 (or trace): bench/cuda_open.py first;
+#                                            WARM_FORK=1: bench/warm_fork.py before it
 #   bash bench/device.sh research-sweep OUT COMMIT  one H200: `quantloop run` of a sweep with
 #                                            walk-forward folds (research-h200-sweep.json)
 #   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
@@ -171,6 +172,13 @@ if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
     --target /tmp/site "$wheels"/*.whl || exit 1
   echo "== wheels installed at $((SECONDS - start)) s"
   params=$(realpath "$params") out=$(realpath "$out")
+  if [ -n "${WARM_FORK:-}" ]; then  # first: do the warm process's children work (an
+    # export, a compiled CUDA step after the warm-up; bench/warm_fork.py)
+    (cd /tmp && PYTHONPATH=/tmp/site timeout 180 python3 -P "$repo/bench/warm_fork.py") \
+      > "$out/warm-fork.jsonl" 2>/tmp/warm-fork.err
+    echo "== warm_fork rc $? at $((SECONDS - start)) s"
+    cut -c1-3000 "$out/warm-fork.jsonl"; tail -3 /tmp/warm-fork.err | cut -c1-500
+  fi
   if [ -n "${CUDA_OPEN:-}" ]; then  # first: does the warm process open the CUDA driver
     # (it then serves no one and the bench waits 300 s for nothing: stop here instead);
     # CUDA_OPEN=trace: the step that opens it, traced (minutes)
