@@ -42,7 +42,7 @@ from quantloop.tasks.research.stage import (
     output_key,
     plan_folds,
 )
-from quantloop.tasks.runtime import overlap, progress, timeline
+from quantloop.tasks.runtime import progress, timeline
 from quantloop.tasks.runtime.sites import stage_site
 
 log = logging.getLogger(__name__)
@@ -156,8 +156,7 @@ def simulate(
         value = json.loads(to_json(statistics(merged, config, trials, replayed)))
         return value, *save_checked(url, to_json(value).encode())
 
-    # many short NumPy calls beside MLflow's and the registration's threads (overlap.foreground)
-    with timeline.phase("simulate: statistics"), overlap.foreground():
+    with timeline.phase("simulate: statistics"):
         stats_output = sited.keyed(
             site, "statistic",
             output_key("statistics", code=code_fingerprint(simulation, uncertainty, plots),

@@ -5,7 +5,6 @@ to the warm process: tests/test_forkserver.py.)"""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
@@ -106,21 +105,3 @@ def test_ending_a_run_removes_no_variable(monkeypatch):
     monkeypatch.setenv(name, "false")  # a value of the user's own is put back
     tracking.end_run(Client(), "r2", "FINISHED")
     assert seen[-1][2] == "true" and os.environ[name] == "false"
-
-
-def test_foreground_shortens_the_switch_interval_nested_and_restores_it():
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.004)
-        with overlap.foreground():
-            assert sys.getswitchinterval() == pytest.approx(overlap.FOREGROUND_SWITCH_S)
-            with overlap.foreground():
-                assert sys.getswitchinterval() == pytest.approx(overlap.FOREGROUND_SWITCH_S)
-            # the inner block's end leaves the outer one's interval
-            assert sys.getswitchinterval() == pytest.approx(overlap.FOREGROUND_SWITCH_S)
-        assert sys.getswitchinterval() == pytest.approx(0.004)
-        with pytest.raises(ValueError), overlap.foreground():
-            raise ValueError("the block failed")
-        assert sys.getswitchinterval() == pytest.approx(0.004)
-    finally:
-        sys.setswitchinterval(before)

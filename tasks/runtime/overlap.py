@@ -30,8 +30,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from quantloop.tasks.runtime import timeline
@@ -49,35 +48,6 @@ SERVER: str | None = None
 
 _ahead: dict[str, threading.Thread] = {}
 _lock = threading.Lock()
-
-
-# The interpreter's switch interval while the run's own thread does many short NumPy
-# calls beside busy background threads (MLflow's records, the registration). Each call
-# that lets go of the GIL waits up to the interval (5 ms) to get it back from a thread
-# running Python: the convoy effect (CPython bpo-7946). On this VM the default run's
-# statistics summaries took 0.09-0.14 s alone and 0.55-0.84 s beside one thread running
-# Python, 0.16-0.19 s at 0.2 ms (bench/results/turnaround-h200-ahead-notes.md, call 9).
-FOREGROUND_SWITCH_S = 0.0002
-_foreground = threading.Lock()
-_foreground_depth = [0, 0.0]  # depth, the interval to restore
-
-
-@contextmanager
-def foreground() -> Iterator[None]:
-    """A short switch interval while the block runs: for critical-path work made of many
-    short GIL-releasing calls beside background threads; nests; restored after."""
-    with _foreground:
-        if _foreground_depth[0] == 0:
-            _foreground_depth[1] = sys.getswitchinterval()
-            sys.setswitchinterval(min(FOREGROUND_SWITCH_S, _foreground_depth[1]))
-        _foreground_depth[0] += 1
-    try:
-        yield
-    finally:
-        with _foreground:
-            _foreground_depth[0] -= 1
-            if _foreground_depth[0] == 0:
-                sys.setswitchinterval(_foreground_depth[1])
 
 
 class Unavailable(RuntimeError):
