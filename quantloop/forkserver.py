@@ -111,10 +111,12 @@ WARM_MODULES = (
 WARM_INDUCTOR = ("torch._inductor.compile_fx", "torch._inductor.cudagraph_trees")
 # called once the modules are in: matplotlib with its Agg backend (pyplot picks a backend
 # at import; plots._pyplot chooses it as a run would), and torch.export's first call
-# (a registration's export runs in a child of this process: tasks/records/registry.py)
+# (a registration's export runs in a child of this process: tasks/records/registry.py),
+# and the estimators' first call (arch's numba kernel, where numba is installed)
 WARM_CALLS = (
     "quantloop.tasks.records.plots:_pyplot",
     "quantloop.tasks.records.registry:warm_export",
+    "quantloop.tasks.research.uncertainty:warm",
 )
 
 

@@ -181,6 +181,15 @@ def long_run_variance(z: np.ndarray, min_bandwidth: float = MIN_BANDWIDTH) -> tu
     return max(bartlett, truncated), bandwidth
 
 
+def warm() -> None:
+    """Compile what the first estimate compiles: where numba is installed, arch's kernel
+    covariance is a numba function compiled at its first call (2.1 s on the H200 image,
+    where it was most of a run's `statistics: summaries`; bench/results/
+    turnaround-h200-ahead-notes.md, call 10). The warm process calls this once, so its
+    children start compiled (quantloop/forkserver.py WARM_CALLS)."""
+    long_run_variance(np.array([1.0, -0.5, 0.25, -1.0, 0.5, 0.75]))
+
+
 def _cells(samples: Sequence[Sample], width: float) -> tuple[list[np.ndarray], int, np.ndarray]:
     """Each sample's index into one dense grid of windows of `width` seconds: per day,
     every window from the first trade's to the last one's (empty ones too); days one
