@@ -44,11 +44,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.chmod(_WORKER_TMP, 0o755)
     os.environ["TMPDIR"] = _WORKER_TMP
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-    import atexit
     import shutil
+    from multiprocessing import util as _mp_util
 
-    # removed with the worker (its servers are stopped by then): runs do not pile up in /tmp
-    atexit.register(shutil.rmtree, _WORKER_TMP, ignore_errors=True)
+    # Removed with the worker (its servers are stopped by then): runs do not pile up in
+    # /tmp. As multiprocessing's last finalizer, not an atexit hook: one ran before
+    # multiprocessing removed its own pymp-* folder in here, which then printed a
+    # FileNotFoundError traceback into CI's log (its finalizers run at priority -100).
+    _mp_util.Finalize(None, shutil.rmtree, args=(_WORKER_TMP,),
+                      kwargs={"ignore_errors": True}, exitpriority=-101)  # fmt: skip
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
