@@ -399,7 +399,7 @@ def markdown(result: dict) -> str:
 
 
 # The train and simulate stages' own phases, and the totals of the work in and beside them
-INSIDE = ("train", "simulate", "statistics")
+INSIDE = ("flow", "features", "train", "simulate", "statistics")
 BESIDE = ("ahead: inductor", "registration", "registration: export in a warm child",
           "mlflow", "mlflow, background")  # fmt: skip
 
@@ -428,7 +428,7 @@ def inside(result: dict) -> list[str]:
         ("wall / compute", *(f"{m['ratio']:.2f}" if m["ratio"] else "n/a" for *_, m in cases)),
     ]
     return [
-        "## The train and simulate stages inside (median seconds per phase)",
+        "## The flow and its stages inside (median seconds per phase)",
         "",
         markdown_table(
             ("phase", *(f"{data}: {case}" for data, case, _ in cases)),

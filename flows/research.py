@@ -43,7 +43,7 @@ from quantloop.tasks.records.summary import (
 from quantloop.tasks.records.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
 from quantloop.tasks.research.planning import product_params
 from quantloop.tasks.research.stage import DamagedOutputs, describe, plan_folds
-from quantloop.tasks.runtime import progress, timeline
+from quantloop.tasks.runtime import heartbeats, progress, timeline
 from quantloop.tasks.runtime.sites import SiteCounts
 from quantloop.tasks.runtime.workspace import Selection
 
@@ -159,7 +159,7 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
     """
     feedback = RunFeedback(get_run_logger())
     # One MLflow experiment lookup for the run and its stages, not one a stage.
-    with progress.adding(feedback), tracking.shared_clients():
+    with progress.adding(feedback), tracking.shared_clients(), heartbeats.beating():
         summary = research_loop(params, feedback)
     feedback.finish()
     return summary
@@ -167,6 +167,9 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
 
 def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSummary:
     t0 = time.perf_counter()
+    # The flow's own time, outside its stages, in phases of its own (`--profile`): what
+    # Prefect's start of the flow run costs shows as the gap before `flow: set-up`.
+    set_up = timeline.TIMELINE.begin("flow: set-up")
     logger = get_run_logger()
     ws = params.workspace
     swept = None
@@ -174,14 +177,17 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     tracking_block = ws.resolve_tracking()
     client, experiment = tracking.client_for(tracking_block)
     closing = tracking.senders().submit(tracking.close_dead_runs, client, experiment)
+    timeline.TIMELINE.end(set_up)
     feedback.start("data", params.data.lobster_dir or "synthetic")
     with timeline.phase("landing"):
         selection = land_data(params)
+    after_landing = timeline.TIMELINE.begin("flow: after landing")
     for dead in closing.result():  # looked for while the data landed
         logger.warning("MLflow run %s was left RUNNING by a process that died: marked KILLED", dead)
     partitions = selection.table(ws.catalog()).num_rows
     data_digest = selection.pin  # the digest of exactly the versions landed (and read)
     stage = params.stage(selection)
+    timeline.TIMELINE.end(after_landing)
     # A training that will compile on a GPU here needs Inductor: imported in a thread
     # while the run records, computes its features and plans (the trainer waits for it)
     import_inductor_ahead(stage, params.train)
@@ -193,6 +199,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     progress.note("validation", f"{len(planned)} fold(s): "
                   + (" ... " if len(shown) < len(planned) else "; ").join(
                       f"fold {f.index}: {describe(f)}" for f in shown))  # fmt: skip
+    opening = timeline.TIMELINE.begin("flow: records opened")
     tags = {
         "prefect_flow_run_id": flow_run.id or "",
         "site": site.name,
@@ -260,6 +267,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         parent.dataset(name=selection.dataset, digest=data_digest, context="research",
                        source=storage.join(site.root, "datasets", selection.dataset),
                        rows=partitions)  # fmt: skip
+        timeline.TIMELINE.end(opening)
         with stage_heartbeats_off():
             feedback.start("features", f"{partitions:,} nodes, placement {ws.placement}")
             with timeline.phase("features"):
@@ -306,6 +314,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                         feedback.start("features", f"recomputing {healed:,} damaged outputs")
                         feats = features_flow(stage, shard_size=params.shard_size,
                                               parent_run_id=parent.run_id)  # fmt: skip
+            closing_records = timeline.TIMELINE.begin("flow: records closed")
             if registered:
                 trained = with_version(trained, registered[-1].result())
         paired, paired_equal = sim.paired_bps, sim.paired_equal_count_bps
@@ -353,6 +362,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                          "stacks": swept.stacks, "check": swept.check},
                         "sweep.json", "sweep")  # fmt: skip
         run_id = parent.run_id
+    timeline.TIMELINE.end(closing_records)
     summary = ResearchSummary(
         dataset=selection.dataset,
         nodes=feats.nodes,
@@ -421,11 +431,12 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
         for name, rid in {"research": run_id, **summary.mlflow_stage_runs}.items()
         if rid
     }
-    create_markdown_artifact(
-        markdown=summary_markdown(summary, links),
-        key="research-summary",
-        description="Mark-out of the model and the baseline, cache hits and MLflow links",
-    )
+    with timeline.phase("flow: summary artifact"):
+        create_markdown_artifact(
+            markdown=summary_markdown(summary, links),
+            key="research-summary",
+            description="Mark-out of the model and the baseline, cache hits and MLflow links",
+        )
     logger.info("research done in %.1f s; MLflow run %s", summary.wall_s, run_id)
     return summary
 
