@@ -608,8 +608,13 @@ def _fresh_state(started: float) -> None:
         import prefect.context
         from prefect.logging.configuration import setup_logging
 
+        before = prefect.context.get_settings_context().settings
         prefect.context.refresh_global_settings_context()
-        setup_logging(incremental=False)
+        # Logging's set-up (65 ms of every command here) again only when the client's
+        # settings differ from the server's (its folder's .env or prefect.toml): its
+        # template reads any setting; the server set it up from the same ones
+        if prefect.context.get_settings_context().settings != before:
+            setup_logging(incremental=False)
     if "dask.config" in sys.modules:
         import dask.config
 
