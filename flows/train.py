@@ -153,18 +153,16 @@ INDUCTOR_MODULES = ("torch._inductor.cudagraph_trees", "torch._inductor.compile_
 
 
 def import_inductor_ahead(stage: StageParams, config: TrainConfig) -> bool:
-    """Import Inductor, and start the CUDA context, in a thread when this process will
-    compile a training on a GPU (`compiles_here`, decided in the thread too); False when
-    overlap is off."""
+    """Import Inductor in a thread when this process will compile a training on a GPU
+    (`compiles_here`, decided in the thread too); False when overlap is off. Not the CUDA
+    context's start too: measured on the H200 (call 12 of bench/results/turnaround-h200-
+    ahead-notes.md) it held the main thread's MLflow calls or the train stage's plan for
+    0.35-0.9 s, more than the 0.1-0.17 s it took off the trainer's set-up."""
 
     def work() -> None:
         if compiles_here(stage, config):
             for module in INDUCTOR_MODULES:
                 importlib.import_module(module)
-            # The context's start (most of the trainer's "model and step set-up", 0.34 s
-            # of an H200 run, call 11) here, beside the records and the features stage;
-            # no random draw, so the seeded model's weights are the same.
-            torch.zeros(1, device=resolve_device(config.device))
 
     return overlap.ahead("inductor", work)
 
