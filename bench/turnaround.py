@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import markdown_table, stamp, stamp_line, write  # noqa: E402
+from bench.report import commit, markdown_table, stamp, stamp_line, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOBSTER = ROOT.parent / "shared" / "data" / "lobster"
@@ -507,10 +507,13 @@ def main() -> None:
     }
     folder = args.results or ROOT / "bench" / "results"
 
+    code = commit()  # before the first save: the results are tracked files, and a stamp
+    # taken after it read the checkout as changed ("+dirty")
+
     def save() -> tuple[Path, Path]:
         # after every case: a run cut short (the GPU machine's 10-minute limit) keeps what
         # it measured
-        result["stamp"] = stamp()
+        result["stamp"] = {**stamp(), "commit": code}
         return write(args.name, result, markdown(result), folder)
 
     warm = warm_up(env)
