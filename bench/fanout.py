@@ -284,10 +284,10 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
 
     from quantloop.blocks.site import WORKER_PRELOAD, Site
     from quantloop.flows.features import features
-    from quantloop.flows.research import stage_heartbeats_off
     from quantloop.tasks.records import tracking
     from quantloop.tasks.research.features import FeatureParams
     from quantloop.tasks.research.stage import StageParams, plan_features
+    from quantloop.tasks.runtime import heartbeats
     from quantloop.tasks.runtime.workspace import Selection, Workspace
 
     params = FeatureParams(
@@ -327,8 +327,8 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
         @flow(name="fanout-research")
         def as_stage(product_features, verify_hits: bool) -> tuple:
             """The features flow as `research` runs it: a stage flow, whose own
-            heartbeat thread is off (flows/research.py:stage_heartbeats_off)."""
-            with stage_heartbeats_off():
+            heartbeat thread is off (tasks/runtime/heartbeats.py:off)."""
+            with heartbeats.off():
                 t = time.perf_counter()
                 result = features(stage(product_features), parent_run_id=parent,
                                   verify_hits=verify_hits, **shard)  # fmt: skip

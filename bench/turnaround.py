@@ -189,8 +189,9 @@ def median_of(runs: list[dict]) -> dict:
     totals = sorted({k for r in runs for k in r["totals"]})
     wall, compute = med([r["wall_s"] for r in runs]), med([r["compute_s"] for r in runs])
     # The overhead and the ratio of each run, then their median: the median wall less the
-    # median compute mixes runs (synthetic training changed on 2026-12-04: +6.2 s that
-    # way, where the runs' own overheads were a few seconds)
+    # median compute can pair one run's wall with another's compute (synthetic training
+    # changed on 2026-12-04 gave +6.2 s that way; the runs' computes were not kept then,
+    # so their own overheads are unknown; a rerun's were 5.4, 3.1 and 3.5 s)
     ratios = [r["wall_s"] / r["compute_s"] for r in runs if r["compute_s"] > 0]
     return {
         "wall_s": wall,

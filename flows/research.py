@@ -5,7 +5,6 @@ Its one parameter is a typed model, so the Prefect UI renders it as a form.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict
 
@@ -17,7 +16,6 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from quantloop.flows.features import features as features_flow
 from quantloop.flows.features import placement_metrics
@@ -96,16 +94,6 @@ def mlflow_link(tracking_block, experiment_id: str, run_id: str) -> str:
         f"`{run_id}`: `mlflow ui --backend-store-uri {tracking_block.resolved_uri()}`, then "
         f"/#/experiments/{experiment_id}/runs/{run_id}"
     )
-
-
-@contextlib.contextmanager
-def stage_heartbeats_off():
-    """Stage flows run in this flow's process, whose own heartbeats already tell
-    Prefect's zombie detection the process is alive. A stage's heartbeat thread is
-    joined at the stage's exit with one-second sleep granularity (Prefect 3.9):
-    measured here, ~1 s per stage flow, so ~3 s of every research run."""
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield
 
 
 # Where each stage starts on the run's progress bar (percent), roughly by its share of
@@ -268,7 +256,7 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                        source=storage.join(site.root, "datasets", selection.dataset),
                        rows=partitions)  # fmt: skip
         timeline.TIMELINE.end(opening)
-        with stage_heartbeats_off():
+        with heartbeats.off():  # the stages run in this flow's process
             feedback.start("features", f"{partitions:,} nodes, placement {ws.placement}")
             with timeline.phase("features"):
                 feats = features_flow(stage, shard_size=params.shard_size,
