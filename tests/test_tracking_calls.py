@@ -10,6 +10,7 @@ re-run (every node a cache hit, the model and simulation found by key) 41, then 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import threading
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 import requests
 from mlflow.entities import LoggedModelStatus
 from mlflow.tracking import MlflowClient
+from prefect.exceptions import TerminationSignal
 
 from quantloop.blocks import MlflowTracking
 from quantloop.tasks.records import tracking
@@ -169,6 +171,21 @@ def test_a_file_that_fails_to_send_fails_its_run(tmp_path):
     recorded = client.get_run(run.run_id)
     assert recorded.info.status == "FAILED"
     assert recorded.data.metrics["x"] == 1.0  # what could be sent, was
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), TerminationSignal(signal.SIGTERM)])
+def test_a_run_a_signal_stops_ends_killed(tmp_path, stop):
+    """Ctrl-C, or the SIGTERM serve sends a process an earlier stack left (Prefect raises
+    it as TerminationSignal), is no failure of the run's code: KILLED, as serve's own
+    clean-up marks a run whose process it ended (the two race; they must agree)."""
+    client, experiment = _local(tmp_path)
+    with pytest.raises(type(stop)):
+        with tracking.run(client, experiment, "stopped") as run:
+            run.metrics({"x": 1.0})
+            raise stop
+    recorded = client.get_run(run.run_id)
+    assert recorded.info.status == "KILLED"
+    assert recorded.data.metrics["x"] == 1.0
 
 
 def test_sends_in_the_background_arrive_in_order_before_the_run_ends(tmp_path):

@@ -612,7 +612,10 @@ def run(
     tags: Mapping[str, Any] | None = None,
 ) -> Iterator[RunLog]:
     """An MLflow run that ends FINISHED, or FAILED if the block raises or a record of it
-    failed to send; flushed on exit (files still in flight included).
+    failed to send, or KILLED if a signal stopped it (Ctrl-C; SIGTERM, which Prefect
+    raises as TerminationSignal; SystemExit): the status serve's clean-up gives a run
+    whose process it ended (quantloop/orphans.py), whichever of the two closes it first.
+    Flushed on exit (files still in flight included).
 
     Its name carries the Prefect flow run's ("research-clever-fox"), its
     `quantloop.stage` tag the bare `name` ("research"). Made with all its tags in one call."""
@@ -632,17 +635,17 @@ def run(
     log = RunLog(client, created.info.run_id, created.info.artifact_uri, background=True)
     try:
         yield log
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(Exception):
             log.flush()
         with mlflow_call():
-            end_run(client, log.run_id, "FAILED")
+            end_run(client, log.run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
         raise
     try:
         log.flush()
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(Exception), mlflow_call():
-            end_run(client, log.run_id, "FAILED")
+            end_run(client, log.run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
         raise
     with mlflow_call():
         end_run(client, log.run_id, "FINISHED")
