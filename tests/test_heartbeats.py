@@ -64,3 +64,22 @@ def test_a_prompted_flow_sends_its_heartbeats_from_quantloops_thread(prefect_api
     related = {r["prefect.resource.role"]: r["prefect.resource.id"] for r in event["related"]}
     assert related["flow"].startswith("prefect.flow.")
     assert event["resource"]["prefect.resource.name"]
+
+
+@flow
+def plain_flow() -> dict[str, bool]:
+    return senders()
+
+
+@pytest.mark.server
+def test_off_stops_prefects_heartbeats_and_keeps_every_other_setting(prefect_api):
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+
+    before = PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value()
+    assert before is not None and PREFECT_API_URL.value() == prefect_api
+    with heartbeats.off():
+        assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() is None
+        assert PREFECT_API_URL.value() == prefect_api
+        assert plain_flow() == {"prefect": False, "quantloop": False}
+    assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == before
+    assert plain_flow()["prefect"]

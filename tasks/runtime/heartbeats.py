@@ -18,6 +18,8 @@ import contextvars
 import threading
 from collections.abc import Iterator
 
+from quantloop.tasks.runtime.prefect_settings import overridden
+
 # The heartbeat frequency `prompt` took over from Prefect's setting (seconds), if any.
 _TAKEN_OVER: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "quantloop_heartbeat_s", default=None
@@ -28,7 +30,7 @@ _TAKEN_OVER: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 def prompt() -> Iterator[None]:
     """Flows called in this block send no heartbeat of Prefect's; the one that enters
     `beating` sends them itself, at PREFECT_FLOWS_HEARTBEAT_FREQUENCY."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
     seconds = PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value()
     if seconds is None:  # heartbeats are off: nothing to take over
@@ -36,7 +38,7 @@ def prompt() -> Iterator[None]:
         return
     token = _TAKEN_OVER.set(seconds)
     try:
-        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        with overridden({"flows.heartbeat_frequency": None}):
             yield
     finally:
         _TAKEN_OVER.reset(token)
@@ -47,9 +49,7 @@ def off() -> Iterator[None]:
     """Flows called in this block send no heartbeat: for stage subflows, run in the process
     of a flow whose own heartbeats already tell Prefect's zombie detection it is alive.
     Each stage's thread was joined at its exit, ~1 s per stage flow (Prefect 3.9)."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    with overridden({"flows.heartbeat_frequency": None}):
         yield
 
 

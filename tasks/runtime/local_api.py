@@ -808,19 +808,17 @@ class ApiHandle:
         self._pointed_at = (url, auth)
         if "prefect.settings" in sys.modules:
             import prefect.context
-            from prefect.settings import (
-                PREFECT_API_AUTH_STRING,
-                PREFECT_API_URL,
-                temporary_settings,
-            )
+            from pydantic import SecretStr
 
-            updates = {PREFECT_API_URL: url}
+            from quantloop.tasks.runtime.prefect_settings import overridden
+
+            updates: dict[str, object] = {"api.url": url}
             if auth:
-                updates[PREFECT_API_AUTH_STRING] = auth
+                updates["api.auth_string"] = SecretStr(auth)
             # The global settings too: threads that do not carry this context (Prefect's
             # event and log workers) read those.
             prefect.context.refresh_global_settings_context()
-            cm = temporary_settings(updates=updates)
+            cm = overridden(updates)
             cm.__enter__()
             self._undo.append(lambda: cm.__exit__(None, None, None))
 
