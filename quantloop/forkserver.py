@@ -112,11 +112,13 @@ WARM_INDUCTOR = ("torch._inductor.compile_fx", "torch._inductor.cudagraph_trees"
 # called once the modules are in: matplotlib with its Agg backend (pyplot picks a backend
 # at import; plots._pyplot chooses it as a run would), and torch.export's first call
 # (a registration's export runs in a child of this process: tasks/records/registry.py),
-# and the estimators' first call (arch's numba kernel, where numba is installed)
+# the estimators' first call (arch's numba kernel, where numba is installed), and MLflow's
+# migration head, which each opening of a SQL store otherwise finds again (~55 ms)
 WARM_CALLS = (
     "quantloop.tasks.records.plots:_pyplot",
     "quantloop.tasks.records.registry:warm_export",
     "quantloop.tasks.research.uncertainty:warm",
+    "quantloop.tasks.records.tracking:warm_store",
 )
 
 

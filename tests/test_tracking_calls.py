@@ -188,6 +188,25 @@ def test_a_run_a_signal_stops_ends_killed(tmp_path, stop):
     assert recorded.data.metrics["x"] == 1.0
 
 
+def test_the_schema_head_is_found_once_and_an_old_store_still_refused(tmp_path):
+    """The migration scripts' head is cached (tracking.cache_schema_head); the store's own
+    revision is read at each opening, so a store left at an older revision is refused as
+    MLflow refuses it."""
+    import sqlite3
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.db import utils
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    _local(tmp_path)
+    assert utils._get_latest_schema_revision.cache_info().currsize == 1
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        db.execute("UPDATE alembic_version SET version_num = 'older'")
+    with pytest.raises(MlflowException, match="out-of-date database schema"):
+        # a store opened anew (MLflow's client keeps the one it opened per URI)
+        SqlAlchemyStore(f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "artifacts"))
+
+
 def test_sends_in_the_background_arrive_in_order_before_the_run_ends(tmp_path):
     client, experiment = _local(tmp_path)
     with tracking.run(client, experiment, "ordered") as run:

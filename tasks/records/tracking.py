@@ -150,6 +150,7 @@ def client_for(tracking: MlflowTracking) -> tuple[MlflowClient, str]:
 
 
 def _client_for(tracking: MlflowTracking, uri: str) -> tuple[MlflowClient, str]:
+    cache_schema_head()
     with _store_lock(uri):
         # Opening a SQLite store creates its tables (the client's constructor opens the
         # tracking store, the first registry call the registry's): two first runs at
@@ -175,6 +176,28 @@ def _client_for(tracking: MlflowTracking, uri: str) -> tuple[MlflowClient, str]:
         if exp is None:
             raise
         return client, exp.experiment_id
+
+
+def cache_schema_head() -> None:
+    """MLflow checks a SQL store's schema against the head of its migration scripts each
+    time a process opens the store (SqlAlchemyStore's _verify_schema), and alembic reads
+    and executes its 68 scripts to find that head: ~55 ms of every run's set-up here,
+    in every child of the warm process too. The head is fixed by the installed MLflow, so
+    it is computed once a process (for the warm process's children, once: `warm_store`).
+    The database's own revision is still read and compared each time."""
+    from mlflow.store.db import utils
+
+    if not hasattr(utils._get_latest_schema_revision, "cache_info"):
+        utils._get_latest_schema_revision = functools.cache(utils._get_latest_schema_revision)
+
+
+def warm_store() -> None:
+    """The migration scripts' head found in the warm process (quantloop/forkserver.py
+    WARM_CALLS), for its children: `cache_schema_head`."""
+    from mlflow.store.db import utils
+
+    cache_schema_head()
+    utils._get_latest_schema_revision()
 
 
 @contextlib.contextmanager
