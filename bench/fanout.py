@@ -287,7 +287,6 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
     from quantloop.tasks.records import tracking
     from quantloop.tasks.research.features import FeatureParams
     from quantloop.tasks.research.stage import StageParams, plan_features
-    from quantloop.tasks.runtime import heartbeats
     from quantloop.tasks.runtime.workspace import Selection, Workspace
 
     params = FeatureParams(
@@ -326,19 +325,18 @@ def run(args, work: Path, rss: RssSampler, results: dict) -> None:
 
         @flow(name="fanout-research")
         def as_stage(product_features, verify_hits: bool) -> tuple:
-            """The features flow as `research` runs it: a stage flow, whose own
-            heartbeat thread is off (tasks/runtime/heartbeats.py:off)."""
-            with heartbeats.off():
-                t = time.perf_counter()
-                result = features(stage(product_features), parent_run_id=parent,
-                                  verify_hits=verify_hits, **shard)  # fmt: skip
-                return result, time.perf_counter() - t
+            """The features flow as `research` runs it: a stage flow (its heartbeat
+            thread ends with it: tasks/runtime/heartbeats.py)."""
+            t = time.perf_counter()
+            result = features(stage(product_features), parent_run_id=parent,
+                              verify_hits=verify_hits, **shard)  # fmt: skip
+            return result, time.perf_counter() - t
 
         def engine(
             name: str, product_features=None, *, top_level: bool = False, verify: bool = False
         ) -> None:
             with rss.phase(results, name):
-                if top_level:  # a flow run of its own, with Prefect's default heartbeats
+                if top_level:  # a flow run of its own
                     t = time.perf_counter()
                     result = features(stage(product_features), parent_run_id=parent, **shard)
                     wall = time.perf_counter() - t

@@ -41,7 +41,7 @@ from quantloop.tasks.records.summary import (
 from quantloop.tasks.records.tracking import CATALOG_TAG, STORE_TAG, WORKSPACE_TAG
 from quantloop.tasks.research.planning import product_params
 from quantloop.tasks.research.stage import DamagedOutputs, describe, plan_folds
-from quantloop.tasks.runtime import heartbeats, progress, timeline
+from quantloop.tasks.runtime import progress, timeline
 from quantloop.tasks.runtime.sites import SiteCounts
 from quantloop.tasks.runtime.workspace import Selection
 
@@ -147,7 +147,7 @@ def research(params: ResearchParams = ResearchParams()) -> ResearchSummary:
     """
     feedback = RunFeedback(get_run_logger())
     # One MLflow experiment lookup for the run and its stages, not one a stage.
-    with progress.adding(feedback), tracking.shared_clients(), heartbeats.beating():
+    with progress.adding(feedback), tracking.shared_clients():
         summary = research_loop(params, feedback)
     feedback.finish()
     return summary
@@ -256,55 +256,52 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
                        source=storage.join(site.root, "datasets", selection.dataset),
                        rows=partitions)  # fmt: skip
         timeline.TIMELINE.end(opening)
-        with heartbeats.off():  # the stages run in this flow's process
-            feedback.start("features", f"{partitions:,} nodes, placement {ws.placement}")
-            with timeline.phase("features"):
-                feats = features_flow(stage, shard_size=params.shard_size,
-                                      parent_run_id=parent.run_id,
-                                      verify_hits=params.verify_hits)  # fmt: skip
-            # damaged outputs the features stage found by checking its hits, recomputed
-            healed = sum(feats.reasons.get(r, 0) for r in ("corrupt", "missing"))
-            # The model is registered in the background while the simulation runs
-            # (torch.export and its uploads: 2 s here, 7.6 s on an H200); joined here.
-            with records_in_background() as registered:
-                for attempt in (1, 2):
-                    try:
-                        if sweeping:
-                            feedback.start("train", f"sweep of {len(own_trials)} settings x "
-                                           f"{len(planned)} folds, {params.train.steps:,} "
-                                           "steps each")  # fmt: skip
-                            with timeline.phase("sweep"):
-                                swept = sweep_flow(stage, params.train, params.sweep,
-                                                   params.simulation, parent_run_id=parent.run_id,
-                                                   trials=trials)  # fmt: skip
-                            trained, sim = swept.train, swept.simulate
-                        else:
-                            feedback.start("train", f"{params.train.steps:,} steps")
-                            with timeline.phase("train"):
-                                trained = train_flow(stage, params.train,
-                                                     parent_run_id=parent.run_id)  # fmt: skip
-                            feedback.start(
-                                "simulate", f"{len(selection.products or []):,} products"
-                            )
-                            with timeline.phase("simulate"):
-                                sim = simulate_flow([f.model_url for f in trained.folds], stage,
-                                                    params.simulation, parent_run_id=parent.run_id,
-                                                    trials=trials)  # fmt: skip
-                        healed += sim.healed_outputs  # its mark-outs and statistics
-                        break
-                    except DamagedOutputs as exc:
-                        # The store heals itself: the damaged outputs are out of the index, so
-                        # the features stage recomputes exactly them (reason corrupt/missing).
-                        if attempt == 2:
-                            raise
-                        healed += len(exc.damaged)
-                        logger.warning("%s", exc)
-                        feedback.start("features", f"recomputing {healed:,} damaged outputs")
-                        feats = features_flow(stage, shard_size=params.shard_size,
-                                              parent_run_id=parent.run_id)  # fmt: skip
-            closing_records = timeline.TIMELINE.begin("flow: records closed")
-            if registered:
-                trained = with_version(trained, registered[-1].result())
+        feedback.start("features", f"{partitions:,} nodes, placement {ws.placement}")
+        with timeline.phase("features"):
+            feats = features_flow(stage, shard_size=params.shard_size,
+                                  parent_run_id=parent.run_id,
+                                  verify_hits=params.verify_hits)  # fmt: skip
+        # damaged outputs the features stage found by checking its hits, recomputed
+        healed = sum(feats.reasons.get(r, 0) for r in ("corrupt", "missing"))
+        # The model is registered in the background while the simulation runs
+        # (torch.export and its uploads: 2 s here, 7.6 s on an H200); joined here.
+        with records_in_background() as registered:
+            for attempt in (1, 2):
+                try:
+                    if sweeping:
+                        feedback.start("train", f"sweep of {len(own_trials)} settings x "
+                                       f"{len(planned)} folds, {params.train.steps:,} "
+                                       "steps each")  # fmt: skip
+                        with timeline.phase("sweep"):
+                            swept = sweep_flow(stage, params.train, params.sweep,
+                                               params.simulation, parent_run_id=parent.run_id,
+                                               trials=trials)  # fmt: skip
+                        trained, sim = swept.train, swept.simulate
+                    else:
+                        feedback.start("train", f"{params.train.steps:,} steps")
+                        with timeline.phase("train"):
+                            trained = train_flow(stage, params.train,
+                                                 parent_run_id=parent.run_id)  # fmt: skip
+                        feedback.start("simulate", f"{len(selection.products or []):,} products")
+                        with timeline.phase("simulate"):
+                            sim = simulate_flow([f.model_url for f in trained.folds], stage,
+                                                params.simulation, parent_run_id=parent.run_id,
+                                                trials=trials)  # fmt: skip
+                    healed += sim.healed_outputs  # its mark-outs and statistics
+                    break
+                except DamagedOutputs as exc:
+                    # The store heals itself: the damaged outputs are out of the index, so
+                    # the features stage recomputes exactly them (reason corrupt/missing).
+                    if attempt == 2:
+                        raise
+                    healed += len(exc.damaged)
+                    logger.warning("%s", exc)
+                    feedback.start("features", f"recomputing {healed:,} damaged outputs")
+                    feats = features_flow(stage, shard_size=params.shard_size,
+                                          parent_run_id=parent.run_id)  # fmt: skip
+        closing_records = timeline.TIMELINE.begin("flow: records closed")
+        if registered:
+            trained = with_version(trained, registered[-1].result())
         paired, paired_equal = sim.paired_bps, sim.paired_equal_count_bps
         if trials > 1:
             survived = [h for h, d in paired.items() if d["significant"]]

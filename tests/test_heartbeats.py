@@ -1,5 +1,6 @@
-"""A flow run from `quantloop run` keeps its Prefect heartbeats, sent by quantloop's thread
-(tasks/runtime/heartbeats.py) in place of Prefect's, which is joined a second late."""
+"""Every flow run keeps its Prefect heartbeats, subflows included, sent by quantloop's
+thread (tasks/runtime/heartbeats.py) in place of Prefect's, which is joined up to a
+second late; and those events reach the server as Prefect's engine sends them."""
 
 from __future__ import annotations
 
@@ -9,29 +10,37 @@ import time
 import urllib.request
 
 import pytest
-from prefect import flow
+from prefect import flow, flow_engine
 from prefect.events.worker import EventsWorker
 from prefect.runtime import flow_run
 
+import quantloop.flows  # noqa: F401 - installs the replacement, as every flow import does
 from quantloop.tasks.runtime import heartbeats
 
 
-def senders() -> dict[str, bool]:
-    """Which heartbeat threads run now: Prefect's (its engine's loop) and quantloop's."""
-    out = {"prefect": False, "quantloop": False}
+def senders() -> dict[str, int]:
+    """The heartbeat threads running now: Prefect's own (its heartbeat_loop) and
+    quantloop's."""
+    out = {"prefect": 0, "quantloop": 0}
     for thread in threading.enumerate():
         target = getattr(thread, "_args", ())
         if target and getattr(target[0], "__qualname__", "").endswith("heartbeat_loop"):
-            out["prefect"] = True
-        if thread.name == "quantloop-heartbeat":
-            out["quantloop"] = True
+            out["prefect"] += 1
+        if thread.name == heartbeats.THREAD_NAME and thread.is_alive():
+            out["quantloop"] += 1
     return out
 
 
 @flow
-def beating_flow() -> tuple[str, dict[str, bool]]:
-    with heartbeats.beating():
-        return str(flow_run.id), senders()
+def child() -> tuple[str, dict[str, int]]:
+    return str(flow_run.id), senders()
+
+
+@flow
+def parent() -> tuple[str, dict[str, int], str, dict[str, int]]:
+    own = senders()
+    child_id, in_child = child()
+    return str(flow_run.id), own, child_id, in_child
 
 
 def heartbeat_events(api: str, run_id: str) -> list[dict]:
@@ -44,42 +53,30 @@ def heartbeat_events(api: str, run_id: str) -> list[dict]:
         return json.load(response)["events"]
 
 
-@pytest.mark.server
-def test_a_prompted_flow_sends_its_heartbeats_from_quantloops_thread(prefect_api):
-    with heartbeats.prompt():
-        run_id, during = beating_flow()
-    assert during == {"prefect": False, "quantloop": True}
-    assert not senders()["quantloop"], "the heartbeat thread outlived its flow"
-    # Without `prompt`, the same flow has Prefect's thread, and quantloop sends none
-    _, unprompted = beating_flow()
-    assert unprompted == {"prefect": True, "quantloop": False}
+def test_the_replacement_is_in_place_for_this_prefect():
+    """A Prefect whose heartbeat context differs leaves `install` False: this fails then,
+    so the release that changed it is seen here, not as a second per flow run."""
+    assert heartbeats.install()
+    assert flow_engine._send_heartbeats is heartbeats.send_heartbeats
 
-    # The event reached the server, as Prefect's engine would have sent it
+
+@pytest.mark.server
+def test_every_flow_run_and_subflow_beats_from_a_thread_that_ends_with_it(prefect_api):
+    run_id, own, child_id, in_child = parent()
+    # one thread for the parent; the subflow's own beside it; none of Prefect's
+    assert own == {"prefect": 0, "quantloop": 1}
+    assert in_child == {"prefect": 0, "quantloop": 2}
+    assert senders()["quantloop"] == 0, "a heartbeat thread outlived its flow run"
+
+    # Each run's first heartbeat reached the server, as Prefect's engine builds it.
     EventsWorker.drain_all()
-    deadline = time.monotonic() + 60
-    while not (events := heartbeat_events(prefect_api, run_id)):
-        assert time.monotonic() < deadline, f"no heartbeat event for flow run {run_id}"
-        time.sleep(0.5)
-    [event] = events
-    related = {r["prefect.resource.role"]: r["prefect.resource.id"] for r in event["related"]}
-    assert related["flow"].startswith("prefect.flow.")
-    assert event["resource"]["prefect.resource.name"]
-
-
-@flow
-def plain_flow() -> dict[str, bool]:
-    return senders()
-
-
-@pytest.mark.server
-def test_off_stops_prefects_heartbeats_and_keeps_every_other_setting(prefect_api):
-    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY
-
-    before = PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value()
-    assert before is not None and PREFECT_API_URL.value() == prefect_api
-    with heartbeats.off():
-        assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() is None
-        assert PREFECT_API_URL.value() == prefect_api
-        assert plain_flow() == {"prefect": False, "quantloop": False}
-    assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == before
-    assert plain_flow()["prefect"]
+    for run in (run_id, child_id):
+        deadline = time.monotonic() + 60
+        while not (events := heartbeat_events(prefect_api, run)):
+            assert time.monotonic() < deadline, f"no heartbeat event for flow run {run}"
+            time.sleep(0.5)
+        [event] = events
+        related = {r["prefect.resource.role"]: r for r in event["related"]}
+        assert related["flow"]["prefect.resource.id"].startswith("prefect.flow.")
+        assert related["flow"]["prefect.resource.name"] in ("parent", "child")
+        assert event["resource"]["prefect.resource.name"]

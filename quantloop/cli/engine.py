@@ -48,6 +48,12 @@ def engine(
 
     import prefect.engine
 
+    from quantloop.tasks.runtime import heartbeats
+
+    # Its flow run ends without waiting on Prefect's heartbeat thread, whichever flow the
+    # deployment names (quantloop's flows install it on import too).
+    heartbeats.install()
+
     # Prefect's engine module run as a script, its `__main__` block included: its modules
     # are imported already (in a warm process, before the fork), so this costs nothing;
     # run_path rather than run_module, which warns about a module imported twice.

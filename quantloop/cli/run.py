@@ -62,7 +62,7 @@ def run(
         quiet_console()
     checks = timeline.TIMELINE.begin("checks")
     from quantloop.flows.params import ResearchParams
-    from quantloop.tasks.runtime import heartbeats, progress
+    from quantloop.tasks.runtime import progress
     from quantloop.tasks.runtime.reaper import reap_on_death
 
     values = read_params(params) if params else {}
@@ -126,7 +126,7 @@ def run(
             try:
                 # A kill -9 of this command ends the Dask processes with it
                 # (tasks/runtime/reaper.py); the resident Prefect API is not its child.
-                with reap_on_death(), heartbeats.prompt(), timeline.phase("flow"):
+                with reap_on_death(), timeline.phase("flow"):
                     summary = research(research_params)
             except Exception as exc:  # noqa: BLE001 - one line for the user, the rest in the log
                 bar.stop()

@@ -1,108 +1,103 @@
-"""Prefect's flow-run heartbeats, sent by a thread that stops the moment its flow ends.
+"""Prefect's flow-run heartbeats, from a thread that stops the moment its flow run ends.
 
-Prefect 3.9 sends a flow run's heartbeat (the `prefect.flow-run.heartbeat` event that a
-zombie-detection automation watches) from a thread that sleeps in steps of one second
-and is joined when the flow ends: every flow run waits up to a second after its last
-line. Measured on a cached research re-run here: 1.00 s after an empty flow's body,
-0.71 s of a 2.8 s re-run, 0.33 s of an H200 run. `prompt` (around a flow called in this
-thread) turns Prefect's thread off and hands its frequency to `beating` (inside the
-flow), which sends the same events from a thread that waits on an event instead.
-Deployment runs, where Prefect's engine calls the flow, keep Prefect's own. `off` is for
-subflows, whose process already beats for its top-level flow run.
+Prefect (3.9) sends every flow run's heartbeat (the `prefect.flow-run.heartbeat` event a
+zombie-detection automation watches: by default every 180 s) from a thread that sleeps
+in steps of one second, and joins that thread when the flow run ends: each flow run,
+subflows included, waits up to a second after its last line. Measured here: 1.00 s
+after an empty flow's body, 0.71 s of a 2.8 s cached research re-run (its three stage
+subflows too, ~1 s each, before they were exempted), 0.33 s of an H200 run.
+
+`install` replaces Prefect's heartbeat context (prefect.flow_engine._send_heartbeats)
+with the same one whose thread waits on its stop event instead: the same events, from
+the same engine methods, at the same period, for every flow run (top-level, subflow,
+deployment), ended at once. Earlier, quantloop turned Prefect's off and sent the
+research flow's own, leaving its stage subflows and every deployment run without or
+with the join; a stage subflow training longer than the automation's threshold would
+then have been crashed as a zombie.
+
+The replaced function is Prefect's, private: `install` checks its signature and the
+engine methods it calls, and leaves Prefect's in place (returning False) when they
+differ, so a Prefect release that changes them costs the second, not the heartbeats.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
+import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
-from quantloop.tasks.runtime.prefect_settings import overridden
+THREAD_NAME = "quantloop-heartbeat"
+# What the replacement calls on Prefect's flow run engine (3.9's names).
+_ENGINE_MEMBERS = ("heartbeat_seconds", "_build_heartbeat_event_template",
+                   "_emit_flow_run_heartbeat")  # fmt: skip
 
-# The heartbeat frequency `prompt` took over from Prefect's setting (seconds), if any.
-_TAKEN_OVER: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "quantloop_heartbeat_s", default=None
-)
+_installed = False
+
+
+def install() -> bool:
+    """Put `send_heartbeats` in place of Prefect's heartbeat context, once a process;
+    whether it is in place."""
+    global _installed
+    if _installed:
+        return True
+    from prefect import flow_engine
+
+    original = getattr(flow_engine, "_send_heartbeats", None)
+    engine = getattr(flow_engine, "BaseFlowRunEngine", None)
+    if (
+        original is None
+        or engine is None
+        or list(inspect.signature(original).parameters) != ["engine", "join_on_exit"]
+        or not all(hasattr(engine, m) for m in _ENGINE_MEMBERS)
+        or not hasattr(flow_engine, "MINIMUM_HEARTBEAT_INTERVAL")
+    ):
+        logging.getLogger(__name__).debug(
+            "Prefect's heartbeat context is not the one quantloop replaces: left as it is"
+        )
+        return False
+    flow_engine._send_heartbeats = send_heartbeats
+    _installed = True
+    return True
 
 
 @contextlib.contextmanager
-def prompt() -> Iterator[None]:
-    """Flows called in this block send no heartbeat of Prefect's; the one that enters
-    `beating` sends them itself, at PREFECT_FLOWS_HEARTBEAT_FREQUENCY."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+def send_heartbeats(engine: Any, join_on_exit: bool = True) -> Iterator[None]:
+    """Prefect 3.9's `_send_heartbeats`, whose thread waits on the stop event between
+    heartbeats: one at once, one each period while the run is not final, none after the
+    block (its thread ends when the block does, and is joined)."""
+    from prefect.flow_engine import MINIMUM_HEARTBEAT_INTERVAL
 
-    seconds = PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value()
-    if seconds is None:  # heartbeats are off: nothing to take over
+    seconds = engine.heartbeat_seconds
+    if seconds is None:
         yield
         return
-    token = _TAKEN_OVER.set(seconds)
-    try:
-        with overridden({"flows.heartbeat_frequency": None}):
-            yield
-    finally:
-        _TAKEN_OVER.reset(token)
-
-
-@contextlib.contextmanager
-def off() -> Iterator[None]:
-    """Flows called in this block send no heartbeat: for stage subflows, run in the process
-    of a flow whose own heartbeats already tell Prefect's zombie detection it is alive.
-    Each stage's thread was joined at its exit, ~1 s per stage flow (Prefect 3.9)."""
-    with overridden({"flows.heartbeat_frequency": None}):
-        yield
-
-
-@contextlib.contextmanager
-def beating() -> Iterator[None]:
-    """Inside a flow run: its heartbeats, as Prefect's engine sends them (one at once,
-    then one each period, none once the block ends), when `prompt` took them over."""
-    from prefect.context import FlowRunContext
-
-    seconds = _TAKEN_OVER.get()
-    context = FlowRunContext.get()
-    run = context.flow_run if context else None
-    if seconds is None or run is None:
-        yield
-        return
-    from prefect import __version__
-    from prefect.events import RelatedResource, emit_event
-    from prefect.events.related import tags_as_related_resources
-
-    resource = {
-        "prefect.resource.id": f"prefect.flow-run.{run.id}",
-        "prefect.resource.name": run.name or "",
-        "prefect.version": __version__,
-    }
-    related = [
-        RelatedResource.model_validate({
-            "prefect.resource.id": f"prefect.flow.{run.flow_id}",
-            "prefect.resource.role": "flow",
-            "prefect.resource.name": context.flow.name,
-        })
-    ]  # fmt: skip
-    if run.deployment_id:
-        related.append(RelatedResource.model_validate(
-            {"prefect.resource.id": f"prefect.deployment.{run.deployment_id}",
-             "prefect.resource.role": "deployment"}))  # fmt: skip
-    related += tags_as_related_resources(set(run.tags or []))
+    seconds = max(seconds, MINIMUM_HEARTBEAT_INTERVAL)
+    resource, related = engine._build_heartbeat_event_template()
     stop = threading.Event()
 
     def beat() -> None:
-        while True:
+        while not stop.is_set():
+            run = engine.flow_run
+            if run and run.state and run.state.is_final():
+                return
             try:
-                emit_event(event="prefect.flow-run.heartbeat", resource=resource, related=related)
+                engine._emit_flow_run_heartbeat(resource, related)
             except Exception:  # noqa: BLE001 - a lost heartbeat is Prefect's to tolerate, as its own
-                pass
+                engine.logger.debug("Failed to emit heartbeat", exc_info=True)
             if stop.wait(seconds):
                 return
 
-    # Prefect's settings context, as its own thread copies it (the API the events go to)
+    # The caller's context, as Prefect copies it: the heartbeat goes to the run's API.
     thread = threading.Thread(target=contextvars.copy_context().run, args=(beat,),
-                              name="quantloop-heartbeat", daemon=True)  # fmt: skip
+                              name=THREAD_NAME, daemon=True)  # fmt: skip
     thread.start()
     try:
         yield
     finally:
         stop.set()
-        thread.join(timeout=2)
+        if join_on_exit:
+            thread.join(timeout=2)

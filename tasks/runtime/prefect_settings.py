@@ -2,10 +2,10 @@
 
 Prefect's `temporary_settings` builds its Settings again from every source (environment,
 profile, .env, pyproject's TOML) and validates all of it: 26 ms per call on this 2-core
-VM, paid on every `quantloop run` by the heartbeat take-over, the stages' heartbeats-off
-and the resident API's address. `overridden` copies the current settings objects with
-the values replaced (pydantic's model_copy: 0.1 ms) and enters them as Prefect's
-SettingsContext, as `temporary_settings` does.
+VM, paid by every command that points Prefect at the resident API (local_api.py).
+`overridden` copies the current settings objects with the values replaced (pydantic's
+model_copy: 0.1 ms) and enters them as Prefect's SettingsContext, as
+`temporary_settings` does.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 @contextlib.contextmanager
 def overridden(updates: Mapping[str, Any]) -> Iterator[Any]:
-    """The block runs with `updates` ({"flows.heartbeat_frequency": None}, dotted paths
+    """The block runs with `updates` ({"api.url": url}, dotted paths
     of Prefect's Settings) over the current settings. Values are not validated: each must
     be of its field's type already (a SecretStr for `api.auth_string`)."""
     from prefect.context import SettingsContext, get_settings_context
