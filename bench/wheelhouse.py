@@ -74,8 +74,11 @@ IMAGE = set(
 # (pydantic 2.14 wants typing-extensions >= 4.16; mlflow excludes anyio 4.15.0).
 CARRY_ANYWAY = {"typing-extensions", "anyio"}
 # Not imported by a run on the GPU machine (no S3 there; Prefect imports apprise only
-# to send a notification): left out for size.
-NOT_NEEDED = {"s3fs", "aiobotocore", "botocore", "apprise"}
+# to send a notification, docker only for its Docker worker; google-auth is MLflow's for
+# Google storage): left out for size (the tree and the wheels reached the 64 MiB a call
+# carries on 2026-12-04). graphviz looks as idle but Prefect imports it: call 14's
+# first attempt failed without it.
+NOT_NEEDED = {"s3fs", "aiobotocore", "botocore", "apprise", "docker", "google-auth"}
 
 
 def is_image(name: str) -> bool:
