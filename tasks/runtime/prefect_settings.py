@@ -27,7 +27,8 @@ def overridden(updates: Mapping[str, Any]) -> Iterator[Any]:
     sections: dict[str, dict[str, Any]] = {}
     for key, value in updates.items():
         section, _, field = key.partition(".")
-        if not field or field not in type(getattr(settings, section)).model_fields:
+        part = getattr(settings, section, None)
+        if part is None or not field or field not in type(part).model_fields:
             raise KeyError(f"no Prefect setting {key!r}")
         sections.setdefault(section, {})[field] = value
     copied = settings.model_copy(update={
