@@ -158,9 +158,12 @@ def save_params(root: str, by_digest: Mapping[str, dict]) -> None:
 
 def manifest_url(root: str, kind: str) -> str:
     """Where this run's node records go, beside the outputs: what `quantloop nodes`
-    queries (a folder per run, a Parquet file per shard)."""
+    queries (a folder per run, a Parquet file per shard). Its name starts with a UTC stamp
+    to the microsecond: `recorded_runs` orders runs by name, and two runs of one second
+    were ordered by their random ids (a failed run then read as older than the one
+    before it). Names of whole seconds (before) sort first within their second."""
     run_id = flow_run.id or uuid.uuid4().hex
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S.%f")
     return storage.join(root, "manifests", kind, f"{stamp}-{run_id}")
 
 

@@ -67,3 +67,19 @@ def test_features_flow_runs_and_records_shard_by_shard(prefect_api, tmp_path, mo
     assert clusters == ["local"]  # started once, for the failing run
     assert set(failed.rows["reason"].to_pylist()) == {"params"}
     assert pc.sum(query(root, limit=10).rows["cache_hit"]).as_py() == 4
+
+
+def test_runs_of_one_second_are_ordered_as_they_were_made(tmp_path):
+    """`query` reads the latest run by its folder's name: runs made in the same second
+    (a failing run right after a cached one, as above) keep the order they were made in,
+    whatever their ids."""
+    from quantloop.flows.features import manifest_url
+    from quantloop.tasks.engine.records import recorded_runs
+
+    root = str(tmp_path)
+    made = []
+    for _ in range(20):  # outside a flow run, each id is random
+        url = manifest_url(root, "features")
+        storage.write_bytes_atomic(storage.join(url, "run.json"), b"{}")
+        made.append(url)
+    assert recorded_runs(storage.join(root, "manifests", "features")) == made
