@@ -9,6 +9,8 @@ import torch
 
 from quantloop.tasks.research.features import FeatureParams, compute_features, feature_set
 from quantloop.tasks.research.training import (
+    CPU_BATCH,
+    DEVICE_BATCH,
     Normalizer,
     TrainConfig,
     load_model,
@@ -105,6 +107,12 @@ def test_predict_matches_training_windows_and_covers_every_row():
     np.testing.assert_allclose(pred[data.row], direct, rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="inputs"):
         predict(result, table, ["b", "a"])
+    # the CPU's batch (CPU_BATCH, smaller than DEVICE_BATCH, which a GPU takes) changes how
+    # many windows go through a forward, not the numbers (equal here; a BLAS may round a
+    # row differently by the batch's size)
+    wide = learnable_table(CPU_BATCH * 3 + 17, 4)
+    large = predict(result, wide, batch_size=DEVICE_BATCH)
+    np.testing.assert_allclose(predict(result, wide), large, rtol=1e-6, atol=1e-7)
 
 
 def test_save_load_round_trip(tmp_path):
