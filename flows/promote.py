@@ -233,14 +233,21 @@ def markout_gate(client, name: str, candidate: Run, version, cfg: GateConfig, al
                 name, version.version, record["against"], len(window.start), window.events(),
                 ", ".join(record["window"]["days"]))  # fmt: skip
     candidate_url = model_url(candidate, version.tags["model_key"])
-    ours = replay_window(predictor_for(candidate_url), train, cut(tables, window), sim)
+    # Both models' predictions of these days are read where the research runs that made
+    # the models kept them (their simulations replayed the same days), else made and kept.
+    root = stage.workspace.resolve_site().root
+    predictors = {"candidate": predictor_for(candidate_url, root)}
+    ours = replay_window(predictors["candidate"], train, cut(tables, window), sim)
     if champion is None:
         theirs = replay_window(baseline_signal, train, cut(tables, window), sim)
     else:
         at = window_stage(recipe, stage.workspace, stage.selection, window)
         champion_train, _ = split_fold(trained_on, champion_fold)
-        theirs = replay_window(predictor_for(model_url(champion_run, recipe.model_key)),
-                               champion_train, cut(feature_tables(at)[0], window), sim)  # fmt: skip
+        predictors["incumbent"] = predictor_for(model_url(champion_run, recipe.model_key), root)
+        theirs = replay_window(predictors["incumbent"], champion_train,
+                               cut(feature_tables(at)[0], window), sim)  # fmt: skip
+    record["predictions"] = {who: {"predicted": p.stats.windows, "stored": p.stats.stored_windows}
+                             for who, p in predictors.items()}  # fmt: skip
     mine, incumbent = Sample.of(list(ours.values()), col), Sample.of(list(theirs.values()), col)
     result: GateResult = paired_gate(
         mine, incumbent, window_seconds(cfg.horizon, [*ours.values(), *theirs.values()]), cfg,

@@ -146,7 +146,11 @@ def simulate(
         windows=sum(x.windows for x in ran["stats"]),
         seconds=sum(x.seconds for x in ran["stats"]),
         warmup_s=sum(x.warmup_s for x in ran["stats"]),
+        stored_windows=sum(x.stored_windows for x in ran["stats"]),
     )
+    # throughput where windows were predicted (those read from the prediction store, a
+    # replay of a model's days predicted before, took no prediction)
+    predicted = bool(ran["stats"]) and stats.windows > 0
 
     # The statistics of these mark-outs are keyed like the mark-outs themselves (with the
     # estimators' code and the trials): a re-run reads them back instead of importing
@@ -183,7 +187,7 @@ def simulate(
         baseline_trades=base_summary["total"]["count"],
         cache_hit=sim_cached,
         inference_mode=mode,
-        inference_samples_per_s=stats.samples_per_s if ran["stats"] else None,
+        inference_samples_per_s=stats.samples_per_s if predicted else None,
         site=at.name,
         worker=ran["worker"],
         compute_s=ran["compute_s"],
@@ -195,11 +199,14 @@ def simulate(
             for fold, url, sim, _ in replayed
         },
     )
-    if ran["stats"]:
+    if predicted:
         logger.info(
             "predicted %d windows in %.2f s (%s): %.0f windows/s, warm-up %.1f s",
             stats.windows, stats.seconds, stats.mode, stats.samples_per_s, stats.warmup_s,
         )  # fmt: skip
+    if stats.stored_windows:
+        logger.info("%d windows' predictions read from the prediction store (this model "
+                    "predicted those days before)", stats.stored_windows)  # fmt: skip
     logger.info("model mark-out (bps): %s", _fmt(result.markout_bps))
     logger.info("baseline mark-out (bps): %s", _fmt(result.baseline_markout_bps))
     progress.note(
@@ -220,10 +227,11 @@ def simulate(
                         "folds": len(replayed)})  # fmt: skip
             if ran["stats"]:
                 run.metrics({
-                    "inference_samples_per_s": stats.samples_per_s,
+                    **({"inference_samples_per_s": stats.samples_per_s} if predicted else {}),
                     "inference_s": stats.seconds,
                     "inference_warmup_s": stats.warmup_s,
                     "inference_windows": stats.windows,
+                    "inference_stored_windows": stats.stored_windows,
                     "compute_s": ran["compute_s"],
                     "bytes_across_sites": across,
                 })  # fmt: skip
@@ -313,7 +321,7 @@ def _replay(stage, config, urls, planned, sited, stack, logger, down, spent, pla
             t0 = time.perf_counter()
             # stored at `url`, at the site that replays it
             merged, stats, ran["worker"], digest, length = where.run(
-                replay.replay_and_store, model_url, stage, config, local, fold, url
+                replay.replay_and_store, model_url, stage, config, local, fold, url, at.root
             )
             ran["stats"].append(stats)
             ran["compute_s"] = (ran["compute_s"] or 0.0) + time.perf_counter() - t0

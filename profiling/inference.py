@@ -29,6 +29,7 @@ from quantloop.profiling.compile import apply_compile
 from quantloop.profiling.packing import FlexMask, PackedNet, flex_layout
 from quantloop.profiling.precision import autocast
 from quantloop.profiling.workload import pack_fields
+from quantloop.tasks.research.predictions import PredictionStore, model_key, table_key
 from quantloop.tasks.research.training import TrainResult, column_matrix, predict, window_starts
 from quantloop.tasks.runtime import overlap
 
@@ -85,9 +86,10 @@ def rows_for(lengths: np.ndarray, T: int, batch: int) -> int:
 @dataclass(kw_only=True, slots=True)
 class InferenceStats:
     mode: str  # "eager" or the rungs applied, comma-separated
-    windows: int = 0
+    windows: int = 0  # predicted here (not those read from a store)
     seconds: float = 0.0  # prediction calls, host packing and copies included
     warmup_s: float = 0.0  # the first group's call: compile and capture (inside `seconds`)
+    stored_windows: int = 0  # read from a PredictionStore instead of predicted
 
     @property
     def samples_per_s(self) -> float:
@@ -95,10 +97,16 @@ class InferenceStats:
 
 
 class Predictor:
-    """predict(result, table) for many tables, on the fast path where it applies."""
+    """predict(result, table) for many tables, on the fast path where it applies; with a
+    `store`, predictions it holds are read instead of made, and those made are kept."""
 
     def __init__(
-        self, result: TrainResult, *, batch: int = BATCH, rungs: tuple[str, ...] | None = None
+        self,
+        result: TrainResult,
+        *,
+        batch: int = BATCH,
+        rungs: tuple[str, ...] | None = None,
+        store: PredictionStore | None = None,
     ) -> None:
         """rungs: what to apply instead of inference_rungs() (tests on a CPU: packing)."""
         self.result = result
@@ -106,13 +114,26 @@ class Predictor:
         self.rungs = inference_rungs(result, self.device) if rungs is None else rungs
         self.batch = batch
         self.stats = InferenceStats(mode=mode_name(self.rungs))
+        self.store = store
+        self._model_key = model_key(result, self.stats.mode, self.device) if store else ""
         self._graph: _GraphedForward | None = None
 
     def __call__(self, table: pa.Table) -> np.ndarray:
+        key = None
+        if self.store is not None:
+            r = self.result
+            key = table_key(self._model_key, column_matrix(table, r.inputs),
+                            window_starts(table, r.train_config))  # fmt: skip
+            found = self.store.get(key)
+            if found is not None and found.shape == (table.num_rows, r.model_config.n_outputs):
+                self.stats.stored_windows += table.num_rows
+                return found
         t0 = time.perf_counter()
         out = self._fast(table) if self.rungs else predict(self.result, table)
         self.stats.windows += table.num_rows
         self.stats.seconds += time.perf_counter() - t0
+        if key is not None:
+            self.store.put(key, out)
         return out
 
     def _fast(self, table: pa.Table) -> np.ndarray:

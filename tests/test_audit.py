@@ -219,6 +219,11 @@ def test_the_gate_promotes_a_planted_better_candidate_and_refuses_an_equal_one(
     assert gate["windows"] >= 30 and gate["n_eff"] > 0
     assert gate["candidate_trades"] > 0 and gate["incumbent_trades"] > 0
     assert gate["champion_features_as_trained"] is True
+    # Both models' predictions of these days were kept by their research runs'
+    # simulations (tasks/research/predictions): the gate read them and predicted nothing.
+    for who in ("candidate", "incumbent"):
+        assert gate["predictions"][who]["predicted"] == 0, gate["predictions"]
+        assert gate["predictions"][who]["stored"] > 0, gate["predictions"]
     copied = better_one["champion_version"]
     assert client.get_model_version_by_alias(name, alias).version == copied
     tags = client.get_model_version(better.registered_model, better.model_version).tags
