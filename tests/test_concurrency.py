@@ -61,6 +61,10 @@ def test_two_runs_at_once_on_one_workspace_each_get_their_own_datas_results(pref
     digests = {json.loads((tmp_path / f"together-{s}.json").read_text())["data_digest"]
                for s in (1, 2)}  # fmt: skip
     assert len(digests) == 2  # the two runs did read different data
+    # each its own log (they were started in the same second, often), each with its run
+    logs = sorted((home / "logs").glob("run-*.log"))
+    assert len(logs) == 2, logs
+    assert all("research" in log.read_text() for log in logs)
 
 
 def _one_of_many(home: str, i: int) -> dict:

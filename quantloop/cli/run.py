@@ -114,8 +114,11 @@ def run(
             from quantloop.tasks.records.summary import markout_table, sweep_table, validity_notes
         api.ready()
 
+        # the process id too: two runs started in one second (two terminals, a script)
+        # each get a log of their own, not one log of both, and each its own breakdown
         stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
-        log_path = Path(research_params.workspace.home_abs) / "logs" / f"run-{stamp}.log"
+        log_path = (Path(research_params.workspace.home_abs) / "logs"
+                    / f"run-{stamp}-{os.getpid()}.log")  # fmt: skip
         timeline.write_at_exit(log_path, show=print_profile if profile else None)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
         with (
