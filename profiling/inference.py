@@ -17,6 +17,8 @@ Anywhere else (a CPU, or a model trained without packing) it is tasks.training.p
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from quantloop.profiling.compile import apply_compile
 from quantloop.profiling.packing import FlexMask, PackedNet, flex_layout
 from quantloop.profiling.precision import autocast
 from quantloop.profiling.workload import pack_fields
+from quantloop.tasks.engine.keys import code_fingerprint
 from quantloop.tasks.research.predictions import PredictionStore, model_key, table_key
 from quantloop.tasks.research.training import TrainResult, column_matrix, predict, window_starts
 from quantloop.tasks.runtime import overlap
@@ -96,6 +99,18 @@ class InferenceStats:
         return self.windows / self.seconds if self.seconds > 0 else float("nan")
 
 
+@functools.cache
+def prediction_code() -> str:
+    """The source a prediction depends on: the model, the eager path, this fast path and
+    its packing (part of a PredictionStore key)."""
+    from quantloop.models import orderbook
+    from quantloop.profiling import packing
+    from quantloop.tasks.research import training
+
+    return code_fingerprint(orderbook, training.predict, training.window_starts,
+                            training.column_matrix, sys.modules[__name__], packing)  # fmt: skip
+
+
 class Predictor:
     """predict(result, table) for many tables, on the fast path where it applies; with a
     `store`, predictions it holds are read instead of made, and those made are kept."""
@@ -115,7 +130,8 @@ class Predictor:
         self.batch = batch
         self.stats = InferenceStats(mode=mode_name(self.rungs))
         self.store = store
-        self._model_key = model_key(result, self.stats.mode, self.device) if store else ""
+        self._model_key = (model_key(result, self.stats.mode, self.device, prediction_code())
+                           if store else "")  # fmt: skip
         self._graph: _GraphedForward | None = None
 
     def __call__(self, table: pa.Table) -> np.ndarray:
@@ -125,7 +141,7 @@ class Predictor:
             key = table_key(self._model_key, column_matrix(table, r.inputs),
                             window_starts(table, r.train_config))  # fmt: skip
             found = self.store.get(key)
-            if found is not None and found.shape == (table.num_rows, r.model_config.n_outputs):
+            if found is not None:
                 self.stats.stored_windows += table.num_rows
                 return found
         t0 = time.perf_counter()

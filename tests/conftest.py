@@ -32,7 +32,8 @@ os.environ.setdefault("QUANTLOOP_FORKSERVER", "0")
 # Inductor compiles in this process, without its pool of compile workers: a compile that
 # misses the cache starts one Python process a core, each importing torch (2-5 s of CPU
 # here), which on the suite's busy two cores compile nothing sooner. test_compile_cache's
-# three compiling processes: 61.7 CPU-s with the pool, 51.7 without (2026-12-05). The
+# three compiling processes: 61.7 CPU-s with the pool, 51.7 without (2026-12-05, one run
+# each, alone; inside the suite the module's CPU did not move, 52.1 -> 53.6). The
 # product keeps the pool for a real compile (profiling/trainer.no_compile_workers turns
 # it off only where the cache was loaded).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

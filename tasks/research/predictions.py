@@ -8,54 +8,40 @@ simulation stores what it predicted and the gate reads it back.
 The key is everything a prediction depends on, so a hit is the prediction that would
 be made, never a stale one:
 - the model: its weights' digest, the normalizer, the window rule, inputs and outputs;
-- the table: the sha256 of its normalized input matrix and of each row's window start
-  (a slice of a day has other starts than the whole day, so another key);
+- the table: the sha256 of its input matrix (the model's input columns, before the
+  normalizer) and of each row's window start (a slice of a day has other starts than
+  the whole day, so another key);
 - how it predicts: "eager" or the forward rungs applied, the device's type, torch's
-  version, and the source of the prediction code (training.predict, the model's module,
-  the fast path's modules).
-A stored file carries the sha256 of its bytes: one that fails it is not used, and the
-prediction is made again and stored over it. A reproduction never reads from here: it
-predicts, to check that the model still predicts what it did.
+  version, and the source of the prediction code (given by the caller,
+  profiling/inference, which holds the fast path).
+A file is stored with its size and sha256 beside it, as every stage output is
+(sited.save_checked): one that fails them is not used, and the prediction is made again
+and stored over it. A reproduction never reads from here: it predicts, to check that the
+model still predicts what it did.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import json
 import logging
-import sys
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from quantloop.tasks.engine import storage
-from quantloop.tasks.engine.keys import code_fingerprint
+from quantloop.tasks.research.sited import load_checked, save_checked
 
 log = logging.getLogger(__name__)
 
 FOLDER = "predictions"
-_DIGEST = 32  # bytes of sha256 after the array
 
 
-@functools.cache
-def _code() -> str:
-    # the prediction code: the model, the eager path and the fast path (imported by
-    # profiling/inference, which is the only caller that passes a store)
-    from quantloop.models import orderbook
-    from quantloop.tasks.research import training
-
-    mods = [orderbook, sys.modules.get("quantloop.profiling.inference"),
-            sys.modules.get("quantloop.profiling.packing")]  # fmt: skip
-    return code_fingerprint(training.predict, training.window_starts, training.column_matrix,
-                            *(m for m in mods if m is not None))  # fmt: skip
-
-
-def model_key(result, mode: str, device: torch.device) -> str:
-    """What of a trained model (training.TrainResult) and its way of predicting a
-    prediction depends on."""
+def model_key(result, mode: str, device: torch.device, code: str) -> str:
+    """What of a trained model (training.TrainResult), its way of predicting and the
+    prediction code (`code`, a code_fingerprint) a prediction depends on."""
     cfg = result.train_config
     return hashlib.sha256(json.dumps({
         "weights": result.model_digest,
@@ -63,13 +49,13 @@ def model_key(result, mode: str, device: torch.device) -> str:
         "window": cfg.window, "window_s": cfg.window_s,
         "inputs": list(result.inputs), "labels": list(result.labels),
         "model": asdict(result.model_config),
-        "mode": mode, "device": device.type, "torch": torch.__version__, "code": _code(),
+        "mode": mode, "device": device.type, "torch": torch.__version__, "code": code,
     }, sort_keys=True, default=str).encode()).hexdigest()  # fmt: skip
 
 
 def table_key(model: str, features: np.ndarray, starts: np.ndarray) -> str:
-    """The key of one table's predictions by the model of `model` (model_key): its
-    normalized input matrix and window starts."""
+    """The key of one table's predictions by the model of `model` (model_key): its input
+    matrix and window starts."""
     h = hashlib.sha256(model.encode())
     for a in (features, starts):
         a = np.ascontiguousarray(a)
@@ -89,24 +75,17 @@ class PredictionStore:
 
     def get(self, key: str) -> np.ndarray | None:
         """The stored predictions of `key`, or None: none stored, or a file that fails
-        its digest (logged; the caller predicts and stores over it)."""
+        its check (logged; the caller predicts and stores over it)."""
         url = self.url(key)
         try:
-            data = storage.read_bytes(url)
+            return np.load(io.BytesIO(load_checked(url)), allow_pickle=False)
         except FileNotFoundError:
             return None
-        body, digest = data[:-_DIGEST], data[-_DIGEST:]
-        if len(data) <= _DIGEST or hashlib.sha256(body).digest() != digest:
-            log.warning("stored predictions %s fail their digest: predicted again", url)
-            return None
-        try:
-            return np.load(io.BytesIO(body), allow_pickle=False)
-        except ValueError as exc:  # the digest holds but the body does not parse
-            log.warning("stored predictions %s do not parse (%s): predicted again", url, exc)
+        except ValueError as exc:  # fails its size or sha256, or does not parse
+            log.warning("stored predictions %s not used (%s): predicted again", url, exc)
             return None
 
     def put(self, key: str, predictions: np.ndarray) -> None:
         buffer = io.BytesIO()
         np.save(buffer, np.ascontiguousarray(predictions), allow_pickle=False)
-        body = buffer.getvalue()
-        storage.write_bytes_atomic(self.url(key), body + hashlib.sha256(body).digest())
+        save_checked(self.url(key), buffer.getvalue())
