@@ -17,13 +17,13 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from quantloop.flows.features import features as features_flow
+from quantloop.flows.features import features
 from quantloop.flows.features import placement_metrics
 from quantloop.flows.params import DataSource, ResearchParams  # noqa: F401 - the form
-from quantloop.flows.simulate import simulate as simulate_flow
-from quantloop.flows.sweep import sweep as sweep_flow
+from quantloop.flows.simulate import simulate
+from quantloop.flows.sweep import sweep
 from quantloop.flows.train import import_inductor_ahead, records_in_background, with_version
-from quantloop.flows.train import train as train_flow
+from quantloop.flows.train import train
 from quantloop.tasks.data.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.engine import sha256_json, storage
 from quantloop.tasks.records import runs, tracking
@@ -44,6 +44,16 @@ from quantloop.tasks.research.stage import DamagedOutputs, describe, plan_folds
 from quantloop.tasks.runtime import progress, timeline
 from quantloop.tasks.runtime.sites import SiteCounts
 from quantloop.tasks.runtime.workspace import Selection
+
+# The stages as this flow calls them: subflows that skip Prefect's check of their
+# parameters, which builds a pydantic model of the flow's signature on every call (17-36 ms
+# a stage on this VM, py-spy of a cached re-run, 2026-12-05) to check objects this flow made
+# from its own checked ResearchParams. A stage run on its own (its deployment, the UI's
+# form) checks its parameters as before.
+features_flow = features.with_options(validate_parameters=False)
+train_flow = train.with_options(validate_parameters=False)
+simulate_flow = simulate.with_options(validate_parameters=False)
+sweep_flow = sweep.with_options(validate_parameters=False)
 
 # Per-product overrides also go in as MLflow params, up to this many (the full set is
 # always in the resolved_params.json artifact): a run page stays readable.

@@ -154,10 +154,16 @@ INDUCTOR_MODULES = ("torch._inductor.cudagraph_trees", "torch._inductor.compile_
 
 def import_inductor_ahead(stage: StageParams, config: TrainConfig) -> bool:
     """Import Inductor in a thread when this process will compile a training on a GPU
-    (`compiles_here`, decided in the thread too); False when overlap is off. Not the CUDA
-    context's start too: measured on the H200 (call 12 of bench/results/turnaround-h200-
-    ahead-notes.md) it held the main thread's MLflow calls or the train stage's plan for
-    0.35-0.9 s, more than the 0.1-0.17 s it took off the trainer's set-up."""
+    (`compiles_here`, decided in the thread too); False when overlap is off or Inductor is
+    imported already. Not the CUDA context's start too: measured on the H200 (call 12 of
+    bench/results/turnaround-h200-ahead-notes.md) it held the main thread's MLflow calls or
+    the train stage's plan for 0.35-0.9 s, more than the 0.1-0.17 s it took off the
+    trainer's set-up."""
+    if all(module in sys.modules for module in INDUCTOR_MODULES):
+        # Imported already (the warm process imports them where a GPU is): the thread would
+        # only decide so, holding the GIL from the records beside it (0.1 s on the H200,
+        # call 14 of bench/results/turnaround-h200-ahead-notes.md: the gap after landing)
+        return False
 
     def work() -> None:
         if compiles_here(stage, config):

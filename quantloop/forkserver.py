@@ -101,6 +101,13 @@ WARM_MODULES = (
     "torch._dynamo",
     "scipy.stats",
     "arch.covariance.kernel",
+    # and what a cached re-run imports late (py-spy over a warm child, 2026-12-05): the
+    # feature stage's read of a store's Parquet files and its summary's group-by (30 ms),
+    # MLflow's SQLite dialect, Prefect's task engine (the first task run)
+    "pyarrow.dataset",
+    "pyarrow.acero",
+    "sqlalchemy.dialects.sqlite",
+    "prefect.task_engine",
 )
 # Inductor, which every compiled training imports (`torch._dynamo.reset()` imports its
 # CUDA graph trees where CUDA is built: 2-3 s of an H200 run's train stage) and which a
@@ -112,13 +119,15 @@ WARM_INDUCTOR = ("torch._inductor.compile_fx", "torch._inductor.cudagraph_trees"
 # called once the modules are in: matplotlib with its Agg backend (pyplot picks a backend
 # at import; plots._pyplot chooses it as a run would), and torch.export's first call
 # (a registration's export runs in a child of this process: tasks/records/registry.py),
-# the estimators' first call (arch's numba kernel, where numba is installed), and MLflow's
-# migration head, which each opening of a SQL store otherwise finds again (~55 ms)
+# the estimators' first call (arch's numba kernel, where numba is installed), MLflow's
+# migration head, which each opening of a SQL store otherwise finds again (~55 ms), and
+# what Prefect's and MLflow's first calls build (tasks/runtime/first_calls.py)
 WARM_CALLS = (
     "quantloop.tasks.records.plots:_pyplot",
     "quantloop.tasks.records.registry:warm_export",
     "quantloop.tasks.research.uncertainty:warm",
     "quantloop.tasks.records.tracking:warm_store",
+    "quantloop.tasks.runtime.first_calls:warm",
 )
 
 
