@@ -409,6 +409,8 @@ torch.cuda.device_count = recorder("device_count")
 torch._C._ensureCUDADeviceGuardSet = recorder("_ensureCUDADeviceGuardSet")
 is_available = torch.cuda.is_available
 prop = FakeTensorMode.__dict__["avoid_device_init"]
+from prefect.client.schemas.filters import FlowRunFilter  # completed on first use
+lazy = FlowRunFilter.__pydantic_complete__
 forkserver.warm_up()
 with forkserver.cuda_asked_of_devices():  # what Inductor's import asks, under torch 2.11
     answered = torch.cuda.is_available()
@@ -418,6 +420,8 @@ print(json.dumps({
     "inductor": "torch._inductor.cudagraph_trees" in __import__("sys").modules,
     "restored": torch.cuda.is_available is is_available
     and FakeTensorMode.__dict__["avoid_device_init"] is prop,
+    # what a subflow's start builds on first use, built here (tasks/runtime/first_calls)
+    "prefect models": [lazy, FlowRunFilter.__pydantic_complete__],
 }))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -426,7 +430,8 @@ print(json.dumps({
     found = json.loads(proc.stdout.splitlines()[-1])
     # Inductor in too where a GPU is (on a CPU nothing compiles: not imported)
     assert found == {"asked": [], "answered": torch_cuda_built(),
-                     "inductor": torch_cuda_built(), "restored": True}  # fmt: skip
+                     "inductor": torch_cuda_built(), "restored": True,
+                     "prefect models": [False, True]}  # fmt: skip
 
 
 def test_a_failing_warm_up_step_is_logged_and_left_out():
