@@ -46,8 +46,9 @@ from quantloop.tasks.runtime.sites import SiteCounts
 from quantloop.tasks.runtime.workspace import Selection
 
 # The stages as this flow calls them: subflows that skip Prefect's check of their
-# parameters, which builds a pydantic model of the flow's signature on every call (17-36 ms
-# a stage on this VM, py-spy of a cached re-run, 2026-12-05) to check objects this flow made
+# parameters, which builds a pydantic model of the flow's signature on every call (17-36
+# samples of 1 ms a stage in a py-spy of a cached re-run on this VM, 2026-12-05; not timed
+# alone) to check objects this flow made
 # from its own checked ResearchParams. A stage run on its own (its deployment, the UI's
 # form) checks its parameters as before.
 features_flow = features.with_options(validate_parameters=False)

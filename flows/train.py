@@ -161,8 +161,9 @@ def import_inductor_ahead(stage: StageParams, config: TrainConfig) -> bool:
     trainer's set-up."""
     if all(module in sys.modules for module in INDUCTOR_MODULES):
         # Imported already (the warm process imports them where a GPU is): the thread would
-        # only decide so, holding the GIL from the records beside it (0.1 s on the H200,
-        # call 14 of bench/results/turnaround-h200-ahead-notes.md: the gap after landing)
+        # only decide so, holding the GIL from the records beside it. Call 14's profile
+        # (bench/results/turnaround-h200-ahead-notes.md) has 0.10 s unexplained after
+        # landing, where the thread runs: thought to be it, not measured on the H200.
         return False
 
     def work() -> None:
