@@ -17,13 +17,11 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from quantloop.flows.features import features
-from quantloop.flows.features import placement_metrics
+from quantloop.flows.features import features, placement_metrics
 from quantloop.flows.params import DataSource, ResearchParams  # noqa: F401 - the form
 from quantloop.flows.simulate import simulate
 from quantloop.flows.sweep import sweep
-from quantloop.flows.train import import_inductor_ahead, records_in_background, with_version
-from quantloop.flows.train import train
+from quantloop.flows.train import import_inductor_ahead, records_in_background, train, with_version
 from quantloop.tasks.data.landing import business_days, land_lobster, land_synthetic
 from quantloop.tasks.engine import sha256_json, storage
 from quantloop.tasks.records import runs, tracking
