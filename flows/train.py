@@ -154,22 +154,21 @@ INDUCTOR_MODULES = ("torch._inductor.cudagraph_trees", "torch._inductor.compile_
 
 def import_inductor_ahead(stage: StageParams, config: TrainConfig) -> bool:
     """Import Inductor in a thread when this process will compile a training on a GPU
-    (`compiles_here`, decided in the thread too); False when overlap is off or Inductor is
-    imported already. Not the CUDA context's start too: measured on the H200 (call 12 of
-    bench/results/turnaround-h200-ahead-notes.md) it held the main thread's MLflow calls or
-    the train stage's plan for 0.35-0.9 s, more than the 0.1-0.17 s it took off the
-    trainer's set-up."""
-    if all(module in sys.modules for module in INDUCTOR_MODULES):
-        # Imported already (the warm process imports them where a GPU is): the thread would
-        # only decide so, holding the GIL from the records beside it. Call 14's profile
-        # (bench/results/turnaround-h200-ahead-notes.md) has 0.10 s unexplained after
-        # landing, where the thread runs: thought to be it, not measured on the H200.
-        return False
+    (`compiles_here`, decided in the thread too); False when overlap is off. Deciding it
+    starts CUDA (the plan's device class asks torch.cuda for the GPU's name), so the
+    thread runs even where the warm process imported Inductor already: skipped there
+    (488b06b), the train stage's plan paid that start on the path, 0.13-0.21 s in every
+    run of an A/B on one H100 (call 15 of bench/results/turnaround-h200-ahead-notes.md)
+    against 0.01-0.02 s with the thread. Not the CUDA context's tensors too: measured on
+    the H200 (call 12) a `torch.zeros(1)` on the device held the main thread's MLflow
+    calls or the train stage's plan for 0.35-0.9 s, more than the 0.1-0.17 s it took off
+    the trainer's set-up."""
 
     def work() -> None:
         if compiles_here(stage, config):
             for module in INDUCTOR_MODULES:
-                importlib.import_module(module)
+                if module not in sys.modules:
+                    importlib.import_module(module)
 
     return overlap.ahead("inductor", work)
 
