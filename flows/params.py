@@ -231,15 +231,17 @@ class ResearchParams(BaseModel):
         # An explicit list of optimizations that lacks a switch it requires, or a CUDA
         # device on a machine without one, fails here. Only those can fail, so only they
         # import torch (1-2 s; "auto" and "none" on the device "auto" or "cpu" cannot).
-        if not isinstance(self.train.optimizations, str) or self.train.device.startswith("cuda"):
-            from quantloop.profiling.proof import plan_rungs
+        # Not the whole plan: its device class asks CUDA for the GPU's name, which starts
+        # CUDA on the check's path (0.10-0.25 s of "checks" on an H100, call 16 of
+        # bench/results/turnaround-h200-ahead-notes.md), and it raises for nothing else.
+        if not isinstance(self.train.optimizations, str):
+            from quantloop.profiling.proof import check_requirements
+
+            check_requirements(self.train.optimizations)
+        if self.train.device.startswith("cuda"):
             from quantloop.tasks.research.training import resolve_device
 
-            plan_rungs(
-                self.train.optimizations,
-                resolve_device(self.train.device),
-                head_dim=self.train.head_dim,
-            )
+            resolve_device(self.train.device)
         horizon = max(self.features.label_horizons)
         short = sorted(p for p, n in rows.items() if n <= horizon)
         if short:

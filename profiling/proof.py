@@ -135,6 +135,17 @@ def latest_proof(cls: str, extra: Sequence[str | os.PathLike] = ()) -> Proof | N
     return max(mine, key=lambda p: p.date) if mine else None
 
 
+def check_requirements(wanted: tuple[str, ...]) -> None:
+    """ValueError if an explicitly requested optimization lacks a switch it requires:
+    the only way a list of known names can be wrong, whatever the machine."""
+    missing = missing_requirements(wanted)
+    if missing:
+        raise ValueError(
+            "train.optimizations: "
+            + "; ".join(f"{k} needs {', '.join(v)}" for k, v in missing.items())
+        )
+
+
 def plan_rungs(
     requested: str | tuple[str, ...],
     device: torch.device,
@@ -160,12 +171,7 @@ def plan_rungs(
         wanted = proof.proven if proof is not None else ()
     else:
         wanted = tuple(requested)
-        missing = missing_requirements(wanted)
-        if missing:
-            raise ValueError(
-                "train.optimizations: "
-                + "; ".join(f"{k} needs {', '.join(v)}" for k, v in missing.items())
-            )
+        check_requirements(wanted)
     dropped = {
         n: (skip_reason(BY_SWITCH[n], device, here) or "").removeprefix("skipped: ")
         for n in wanted

@@ -23,6 +23,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from quantloop.flows.params import ResearchParams
 from quantloop.tasks.data.catalog import Catalog
@@ -299,3 +300,19 @@ def test_too_little_lobster_data_names_the_days_and_gives_lobster_advice(tmp_pat
     assert "features.label_horizons" in text and "LOBSTER" in text, text
     assert dt.date(2024, 1, 4).isoformat() in text
     json.dumps(text)  # one plain string
+
+
+def test_the_checks_refuse_an_incomplete_optimization_list_and_a_missing_gpu():
+    # what preflight checks of the training's plan before any server starts: a switch
+    # without the one it needs, on any machine; a CUDA device on a machine without one
+    params = ResearchParams.model_validate({"train": {"optimizations": ["cudagraph"]}})
+    with pytest.raises(ValueError, match="train.optimizations: cudagraph needs device_metrics"):
+        params.preflight()
+    complete = ResearchParams.model_validate(
+        {"train": {"optimizations": ["device_metrics", "packing"]}}
+    )
+    assert complete.preflight()  # the products it found
+    if not torch.cuda.is_available():
+        on_gpu = ResearchParams.model_validate({"train": {"device": "cuda"}})
+        with pytest.raises(ValueError, match="has no CUDA"):
+            on_gpu.preflight()
