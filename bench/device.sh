@@ -22,6 +22,12 @@
 #                                            COLD_REPEAT the cold runs, TURN_NAME the files;
 #                                            CUDA_OPEN=1 (or trace): bench/cuda_open.py first;
 #                                            WARM_FORK=1: bench/warm_fork.py before it
+#   bash bench/device.sh spy OUT COMMIT      one H200: a cold `quantloop run`, a "training
+#                                            changed" re-run, then another under py-spy
+#                                            (the warm process and its children, every
+#                                            thread, idle samples kept: OUT/spy-*.txt, raw
+#                                            stacks) and one in-process under cProfile
+#                                            (OUT/run.prof); py-spy's wheel in WHEELS or SPY_WHEELS
 #   bash bench/device.sh research-sweep OUT COMMIT  one H200: `quantloop run` of a sweep with
 #                                            walk-forward folds (research-h200-sweep.json)
 #   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
@@ -216,6 +222,47 @@ if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
   done > "$out/run.log"
   (cd /tmp/turn 2>/dev/null && find . -name '*.profile.json' -print0 \
     | tar czf "$out/turnaround-profiles.tar.gz" --null -T -)
+  ls -la "$out"
+  exit 0
+fi
+if [ "$stage" = spy ]; then  # where a warm "training changed" run's fixed costs go
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl ${SPY_WHEELS:+"$SPY_WHEELS"/*.whl} || exit 1
+  export PYTHONPATH=/tmp/site TORCHINDUCTOR_CACHE_DIR=/tmp/spy-inductor \
+    TRITON_CACHE_DIR=/tmp/spy-triton
+  echo "== wheels installed at $((SECONDS - start)) s"
+  params=$(realpath "$params") out=$(realpath "$out") home=/tmp/spy-home
+  (cd /tmp && python3 -P -m quantloop.cli api stop --home $home > /dev/null 2>&1)
+  rm -rf $home /tmp/spy-inductor /tmp/spy-triton && mkdir -p $home
+  seeded() {  # the params with the training seed set to $1 (bench/turnaround.py's case)
+    python3 -c 'import json, sys; p = json.load(open(sys.argv[1]))
+p.setdefault("train", {})["seed"] = int(sys.argv[2]); print(json.dumps(p))' "$params" "$1" \
+      > "/tmp/spy-params-$1.json"
+    echo "/tmp/spy-params-$1.json"
+  }
+  runq() { (cd /tmp && timeout 240 python3 -P -m quantloop.cli run --params "$1" --home $home \
+             --summary-json "$out/summary-$2.json" > "/tmp/spy-$2.log" 2>&1)
+           echo "== $2 rc $? at $((SECONDS - start)) s"; tail -3 "/tmp/spy-$2.log"; }
+  runq "$params" cold
+  runq "$(seeded 100)" changed-100
+  pid=$(cd /tmp && python3 -P -m quantloop.forkserver --ping)
+  echo "== warm process $pid"
+  /tmp/site/bin/py-spy record --pid "$pid" --subprocesses --idle --threads --nonblocking \
+    --rate 250 --format raw --output "$out/spy-changed-101.txt" > /tmp/spy-record.log 2>&1 &
+  spy=$!
+  sleep 2
+  runq "$(seeded 101)" changed-101
+  kill -INT $spy; wait $spy; echo "== py-spy rc $?"; tail -3 /tmp/spy-record.log
+  # in-process, under cProfile (the main thread's calls): the same run without the warm
+  # process; its export runs in a thread here
+  p102=$(seeded 102)
+  (cd /tmp && QUANTLOOP_FORKSERVER=0 timeout 240 python3 -P -m cProfile -o "$out/run.prof" \
+     -m quantloop.cli run --params "$p102" --home $home --summary-json "$out/summary-102.json" \
+     > /tmp/spy-changed-102.log 2>&1)
+  echo "== cProfile run rc $? at $((SECONDS - start)) s"
+  for f in /tmp/spy-*.log $home/logs/*.log; do echo "===== $f"; cat "$f"; done > "$out/run.log"
+  (cd $home && find . -name '*.profile.json' -print0 | tar czf "$out/profiles.tar.gz" --null -T -)
+  (cd /tmp && python3 -P -m quantloop.cli api stop --home $home > /dev/null 2>&1)
   ls -la "$out"
   exit 0
 fi
