@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import io
 import json
 import logging
 import time
@@ -375,9 +374,7 @@ def statistics(merged: dict, config: SimConfig, trials: int, replayed: list) -> 
          "baseline": base_summary["total"]["mean_bps"]},
         {"model": model_summary["total"]["se_bps"], "baseline": base_summary["total"]["se_bps"]},
     )  # fmt: skip
-    png = io.BytesIO()
-    figure.savefig(png, format="png")
-    plots.close(figure)
+    png = plots.png(figure)
     part.switch("statistics: paired differences")
     paired = paired_difference(merged["model"], merged["baseline"], keys, trials=trials)
     paired_equal = paired_difference(*equal_counts(merged["model"], merged["baseline"]), keys,
@@ -392,7 +389,7 @@ def statistics(merged: dict, config: SimConfig, trials: int, replayed: list) -> 
         "paired_equal_count": paired_equal,
         "pnl": day_pnl,
         "folds": folds,
-        "markout_curve_png": base64.b64encode(png.getvalue()).decode(),
+        "markout_curve_png": base64.b64encode(png).decode(),
     }
 
 

@@ -116,14 +116,14 @@ WARM_MODULES = (
 # `torch.cuda.is_available()`, which opened /dev/nvidiactl on the H200 (NVML), and this
 # process then served no one (bench/cuda_open.py --trace).
 WARM_INDUCTOR = ("torch._inductor.compile_fx", "torch._inductor.cudagraph_trees")
-# called once the modules are in: matplotlib with its Agg backend (pyplot picks a backend
-# at import; plots._pyplot chooses it as a run would), and torch.export's first call
+# called once the modules are in: matplotlib's Figure and its Agg canvas (as the figures
+# of tasks/records/plots.py draw), and torch.export's first call
 # (a registration's export runs in a child of this process: tasks/records/registry.py),
 # the estimators' first call (arch's numba kernel, where numba is installed), MLflow's
 # migration head, which each opening of a SQL store otherwise finds again (~55 ms), and
 # what Prefect's and MLflow's first calls build (tasks/runtime/first_calls.py)
 WARM_CALLS = (
-    "quantloop.tasks.records.plots:_pyplot",
+    "quantloop.tasks.records.plots:_figure_class",
     "quantloop.tasks.records.registry:warm_export",
     "quantloop.tasks.research.uncertainty:warm",
     "quantloop.tasks.records.tracking:warm_store",

@@ -440,7 +440,8 @@ def test_a_failing_warm_up_step_is_logged_and_left_out():
     code = (
         "from quantloop import forkserver\n"
         "forkserver.WARM_MODULES = ()\n"
-        "forkserver.WARM_CALLS = ('os:no_such_function', 'quantloop.tasks.records.plots:_pyplot')\n"
+        "forkserver.WARM_CALLS = ('os:no_such_function',\n"
+        "                         'quantloop.tasks.records.plots:_figure_class')\n"
         "forkserver.warm_up()\n"
         "print('serving')\n"
     )

@@ -1,11 +1,17 @@
 """Figures logged to MLflow: the loss curve and the mark-out curve (research flow); the
 ladder's throughput per rung and a rung's loss curve against the baseline's.
 
-Every figure takes plain lists and mappings, so its caller's records stay its own."""
+Every figure takes plain lists and mappings, so its caller's records stay its own. They
+are drawn with matplotlib's object API (a `Figure` of its own, Agg's canvas), not pyplot:
+pyplot keeps a registry of open figures shared by every thread, while a `Figure` made
+and saved by one thread is that thread's alone (matplotlib's "Embedding in a web
+application server" advice); so a record's figure can be drawn beside the run's work,
+in the thread that sends the record. `png` saves one."""
 
 from __future__ import annotations
 
 import functools
+import io
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -14,23 +20,29 @@ if TYPE_CHECKING:  # matplotlib (~0.4 s) is imported by the first figure, not by
 
 
 @functools.cache
-def _pyplot() -> Any:
-    import matplotlib
+def _figure_class() -> Any:
+    """matplotlib's Figure, with Agg's canvas imported (PNG, no display on workers or CI)."""
+    import matplotlib.backends.backend_agg  # noqa: F401  (savefig's canvas for PNG)
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # no display on workers or CI
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure
 
 
-def close(fig: Any) -> None:
-    """Forget a figure drawn here once it is saved (pyplot keeps every figure it made)."""
-    _pyplot().close(fig)
+def new_figure(**kwargs: Any) -> Figure:
+    """A figure no registry keeps: it is freed with its last reference."""
+    return _figure_class()(**kwargs)
+
+
+def png(fig: Figure) -> bytes:
+    """The figure as PNG bytes."""
+    out = io.BytesIO()
+    fig.savefig(out, format="png")
+    return out.getvalue()
 
 
 def loss_curve(loss: list[float], log_every: int) -> Figure:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = new_figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     ax.plot([(i + 1) * log_every for i in range(len(loss))], loss)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (standardized MSE)")
@@ -49,12 +61,11 @@ def markout_curve(
     shape, standard errors drawn as bars. Clock horizons ("5s") and event horizons
     ("10ev") are two panels, each on its own axis: they are different clocks, and one
     line through both would join points that are not neighbours."""
-    plt = _pyplot()
+    fig = new_figure(figsize=(8, 3.5))
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     panels = [("clock horizon (s)", "s"), ("event horizon (events)", "ev")]
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5), sharey=True,
-                             gridspec_kw={"width_ratios": [3, 2]})  # fmt: skip
+    axes = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 2]})
     for ax, (label, unit) in zip(axes, panels, strict=True):
         for name, curve in curves.items():
             keys = [h for h in curve if h.endswith(unit)]  # "5s" or "10ev"
@@ -84,8 +95,8 @@ def throughput_bars(
     labels: Sequence[str], samples_per_s: Sequence[float], ok: Sequence[bool], title: str
 ) -> Figure:
     """One bar per label; red where `ok` is False (a rung that is not equivalent)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig = new_figure(figsize=(7, 3.5))
+    ax = fig.subplots()
     ax.bar(list(labels), list(samples_per_s), color=["tab:blue" if g else "tab:red" for g in ok])
     ax.set_ylabel("samples/s")
     ax.set_title(title)
@@ -99,8 +110,8 @@ def loss_vs_baseline(
 ) -> Figure:
     """Two loss curves of interval means (one point per `log_every` steps): the baseline's
     solid, `label`'s dashed."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = new_figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     steps = [(i + 1) * log_every for i in range(len(base))]
     ax.plot(steps, base, label="baseline")
     ax.plot(steps, loss, "--", label=label)
