@@ -27,7 +27,7 @@
 #                                            (the warm process and its children, every
 #                                            thread, idle samples kept: OUT/spy-*.txt, raw
 #                                            stacks) and one in-process under cProfile
-#                                            (OUT/run.prof); py-spy's wheel in WHEELS or SPY_WHEELS
+#                                            (OUT/run.prof); py-spy's wheel in WHEELS or EXTRA_WHEELS
 #   bash bench/device.sh research-sweep OUT COMMIT  one H200: `quantloop run` of a sweep with
 #                                            walk-forward folds (research-h200-sweep.json)
 #   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
@@ -174,8 +174,10 @@ fi
 if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
   # Byte-compiled at install, as any install is: with --no-compile every process there
   # compiled Prefect's and MLflow's sources again (the image does not keep bytecode).
+  # EXTRA_WHEELS: a folder of more wheels (an A/B: the dependencies in WHEELS, each
+  # half's quantloop wheel in a folder of its own)
   python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
-    --target /tmp/site "$wheels"/*.whl || exit 1
+    --target /tmp/site "$wheels"/*.whl ${EXTRA_WHEELS:+"$EXTRA_WHEELS"/*.whl} || exit 1
   echo "== wheels installed at $((SECONDS - start)) s"
   params=$(realpath "$params") out=$(realpath "$out")
   if [ -n "${WARM_FORK:-}" ]; then  # first: do the warm process's children work (an
@@ -227,7 +229,7 @@ if [ "$stage" = turnaround ]; then  # `quantloop run` from process start to exit
 fi
 if [ "$stage" = spy ]; then  # where a warm "training changed" run's fixed costs go
   python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
-    --target /tmp/site "$wheels"/*.whl ${SPY_WHEELS:+"$SPY_WHEELS"/*.whl} || exit 1
+    --target /tmp/site "$wheels"/*.whl ${EXTRA_WHEELS:+"$EXTRA_WHEELS"/*.whl} || exit 1
   export PYTHONPATH=/tmp/site TORCHINDUCTOR_CACHE_DIR=/tmp/spy-inductor \
     TRITON_CACHE_DIR=/tmp/spy-triton
   echo "== wheels installed at $((SECONDS - start)) s"
