@@ -22,12 +22,12 @@
 #                                            COLD_REPEAT the cold runs, TURN_NAME the files;
 #                                            CUDA_OPEN=1 (or trace): bench/cuda_open.py first;
 #                                            WARM_FORK=1: bench/warm_fork.py before it
-#   bash bench/device.sh spy OUT COMMIT      one H200: a cold `quantloop run`, a "training
-#                                            changed" re-run, then another under py-spy
+#   bash bench/device.sh spy OUT COMMIT      one H200: a cold `quantloop run` served by the
+#                                            warm process, a "training changed" re-run, then a
+#                                            no-op and another "training changed" under py-spy
 #                                            (the warm process and its children, every
 #                                            thread, idle samples kept: OUT/spy-*.txt, raw
-#                                            stacks) and one in-process under cProfile
-#                                            (OUT/run.prof); py-spy's wheel in WHEELS or EXTRA_WHEELS
+#                                            stacks); py-spy's wheel in WHEELS or EXTRA_WHEELS
 #   bash bench/device.sh research-sweep OUT COMMIT  one H200: `quantloop run` of a sweep with
 #                                            walk-forward folds (research-h200-sweep.json)
 #   bash bench/device.sh sweep OUT COMMIT    one H200: bench/sweep.py (K models as one stack,
@@ -242,26 +242,30 @@ p.setdefault("train", {})["seed"] = int(sys.argv[2]); print(json.dumps(p))' "$pa
       > "/tmp/spy-params-$1.json"
     echo "/tmp/spy-params-$1.json"
   }
-  runq() { (cd /tmp && timeout 240 python3 -P -m quantloop.cli run --params "$1" --home $home \
+  # `-m quantloop` is the executable's way in: served by the warm process, which is started
+  # (a command that fails at once starts it) and waited for first; `-m quantloop.cli`
+  # would run in the command's own interpreter, and py-spy would find no warm process
+  runq() { (cd /tmp && timeout 240 python3 -P -m quantloop run --params "$1" --home $home \
              --summary-json "$out/summary-$2.json" > "/tmp/spy-$2.log" 2>&1)
            echo "== $2 rc $? at $((SECONDS - start)) s"; tail -3 "/tmp/spy-$2.log"; }
+  (cd /tmp && python3 -P -m quantloop run --lobster /nonexistent-warm-up > /dev/null 2>&1)
+  for _ in $(seq 600); do
+    pid=$(cd /tmp && python3 -P -m quantloop.forkserver --ping 2> /dev/null) && break; sleep 0.5
+  done
+  echo "== warm process ${pid:-none} at $((SECONDS - start)) s"
+  [ -n "${pid:-}" ] || exit 1
   runq "$params" cold
   runq "$(seeded 100)" changed-100
-  pid=$(cd /tmp && python3 -P -m quantloop.forkserver --ping)
-  echo "== warm process $pid"
-  /tmp/site/bin/py-spy record --pid "$pid" --subprocesses --idle --threads --nonblocking \
-    --rate 250 --format raw --output "$out/spy-changed-101.txt" > /tmp/spy-record.log 2>&1 &
-  spy=$!
-  sleep 2
-  runq "$(seeded 101)" changed-101
-  kill -INT $spy; wait $spy; echo "== py-spy rc $?"; tail -3 /tmp/spy-record.log
-  # in-process, under cProfile (the main thread's calls): the same run without the warm
-  # process; its export runs in a thread here
-  p102=$(seeded 102)
-  (cd /tmp && QUANTLOOP_FORKSERVER=0 timeout 240 python3 -P -m cProfile -o "$out/run.prof" \
-     -m quantloop.cli run --params "$p102" --home $home --summary-json "$out/summary-102.json" \
-     > /tmp/spy-changed-102.log 2>&1)
-  echo "== cProfile run rc $? at $((SECONDS - start)) s"
+  spied() {  # $1 the params, $2 the name: the run under py-spy, attached to the warm process
+    /tmp/site/bin/py-spy record --pid "$pid" --subprocesses --idle --threads --nonblocking \
+      --rate 250 --format raw --output "$out/spy-$2.txt" > "/tmp/spy-record-$2.log" 2>&1 &
+    local spy=$!
+    sleep 2
+    runq "$1" "$2"
+    kill -INT $spy; wait $spy; echo "== py-spy rc $?"; tail -3 "/tmp/spy-record-$2.log"
+  }
+  spied "$(seeded 100)" noop-100      # every node, the model and the simulation found
+  spied "$(seeded 101)" changed-101
   for f in /tmp/spy-*.log $home/logs/*.log; do echo "===== $f"; cat "$f"; done > "$out/run.log"
   (cd $home && find . -name '*.profile.json' -print0 | tar czf "$out/profiles.tar.gz" --null -T -)
   (cd /tmp && python3 -P -m quantloop.cli api stop --home $home > /dev/null 2>&1)

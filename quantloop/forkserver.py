@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -371,7 +372,10 @@ def serve(name: str, idle_s: float) -> None:
     # for the fork instead of paying the same imports itself.
     listener.listen(64)
     t0 = time.perf_counter()
-    warm_up()
+    from quantloop.tasks.runtime import collector
+
+    with collector.paused():  # and frozen after: a child's passes skip what it inherits
+        warm_up()
     files = _module_files()
     cuda = _cuda_opened()
     if cuda is not None:
@@ -381,7 +385,8 @@ def serve(name: str, idle_s: float) -> None:
         listener.close()
         return
     _log(f"pid {os.getpid()} ready in {time.perf_counter() - t0:.1f} s, "
-         f"{len(files)} module files watched, idle timeout {idle_s:.0f} s")  # fmt: skip
+         f"{gc.get_freeze_count():,} objects frozen, {len(files)} module files watched, "
+         f"idle timeout {idle_s:.0f} s")  # fmt: skip
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     listener.settimeout(idle_s)
     while True:

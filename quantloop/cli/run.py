@@ -31,7 +31,7 @@ from quantloop.cli.common import (
 
 # Imported with the CLI, before any library that registers an exit handler: its own
 # handler runs after theirs, so a run's breakdown counts their shutdown.
-from quantloop.tasks.runtime import timeline
+from quantloop.tasks.runtime import collector, timeline
 
 
 def run(
@@ -109,7 +109,7 @@ def run(
         # Imported after the checks (Prefect and MLflow take seconds to import) but before the
         # log file's set-up, which quiets the console handler MLflow adds to its logger on
         # import.
-        with timeline.phase("imports (flow)"):
+        with timeline.phase("imports (flow)"), collector.paused():
             from quantloop.flows.research import research
             from quantloop.tasks.records.summary import markout_table, sweep_table, validity_notes
         api.ready()
