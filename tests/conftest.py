@@ -72,6 +72,17 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, len(os.sched_getaffinity(0)) + 1))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """The test modules imported with the cyclic collector paused, then frozen
+    (tasks/runtime/collector.py): the stack they import (Prefect, MLflow, torch, the
+    flows) is not scanned again by every full collection of the session."""
+    from quantloop.tasks.runtime import collector
+
+    with collector.paused():
+        return (yield)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist worksteal` (pyproject's addopts) with its first share planned by measured

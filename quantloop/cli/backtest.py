@@ -69,8 +69,11 @@ def backtest(
     if not verbose:
         quiet_console()
     with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
-        from quantloop.flows.backtest import BacktestFailed
-        from quantloop.flows.backtest import backtest as backtest_flow
+        from quantloop.tasks.runtime import collector
+
+        with collector.paused():  # then frozen: later collections skip the stack
+            from quantloop.flows.backtest import BacktestFailed
+            from quantloop.flows.backtest import backtest as backtest_flow
 
         api.ready()
         try:

@@ -29,8 +29,11 @@ def ladder(
     tracking_uri: TrackingUriOption = None,
 ) -> None:
     """Run the GPU optimization ladder flow and print its report (docs/ladder.md)."""
-    from quantloop.flows.ladder import LadderParams
-    from quantloop.flows.ladder import ladder as ladder_flow
+    from quantloop.tasks.runtime import collector
+
+    with collector.paused():  # then frozen: later collections skip the stack
+        from quantloop.flows.ladder import LadderParams
+        from quantloop.flows.ladder import ladder as ladder_flow
     from quantloop.profiling.report import report_markdown
 
     ws = {k: v for k, v in (("home", home), ("tracking_uri", tracking_uri)) if v is not None}

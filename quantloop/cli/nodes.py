@@ -71,10 +71,13 @@ def nodes(
     """Query node records: filter the run manifests, or show one node's lineage."""
     import datetime as dt
 
-    from quantloop.tasks.data.catalog import Catalog
-    from quantloop.tasks.records import manifest, runs, tracking
-    from quantloop.tasks.research.sited import site_roots
-    from quantloop.tasks.runtime.workspace import Workspace
+    from quantloop.tasks.runtime import collector
+
+    with collector.paused():  # then frozen: later collections skip the stack
+        from quantloop.tasks.data.catalog import Catalog
+        from quantloop.tasks.records import manifest, runs, tracking
+        from quantloop.tasks.research.sited import site_roots
+        from quantloop.tasks.runtime.workspace import Workspace
 
     ws = Workspace(home=home, site=site)
     run_url = None

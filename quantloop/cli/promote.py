@@ -64,7 +64,10 @@ def promote(
     # Checked first: a missing store or a refused identity is one line, before any start.
     workspace = records_workspace(home, tracking_uri, role="promoter")
     with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
-        from quantloop.flows.promote import promote as promote_flow
+        from quantloop.tasks.runtime import collector
+
+        with collector.paused():  # then frozen: later collections skip the stack
+            from quantloop.flows.promote import promote as promote_flow
 
         api.ready()
         try:

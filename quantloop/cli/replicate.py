@@ -35,8 +35,11 @@ def replicate(
     if not verbose:
         quiet_console()
     with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
-        from quantloop.flows.replicate import replicate as replicate_flow
-        from quantloop.tasks.runtime.workspace import Selection
+        from quantloop.tasks.runtime import collector
+
+        with collector.paused():  # then frozen: later collections skip the stack
+            from quantloop.flows.replicate import replicate as replicate_flow
+            from quantloop.tasks.runtime.workspace import Selection
 
         api.ready()
         chosen = products.split(",") if products else None

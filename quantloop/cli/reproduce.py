@@ -47,7 +47,10 @@ def reproduce(
     # Checked first: a missing store or a refused identity is one line, before any start.
     workspace = records_workspace(home, tracking_uri, role="researcher")
     with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
-        from quantloop.flows.reproduce import reproduce as reproduce_flow
+        from quantloop.tasks.runtime import collector
+
+        with collector.paused():  # then frozen: later collections skip the stack
+            from quantloop.flows.reproduce import reproduce as reproduce_flow
 
         api.ready()
         try:

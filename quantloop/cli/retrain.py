@@ -48,7 +48,10 @@ def retrain(
     if not verbose:
         quiet_console()
     with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
-        from quantloop.flows.retrain import retrain as retrain_flow
+        from quantloop.tasks.runtime import collector
+
+        with collector.paused():  # then frozen: later collections skip the stack
+            from quantloop.flows.retrain import retrain as retrain_flow
 
         api.ready()
         try:

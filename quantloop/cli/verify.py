@@ -37,7 +37,10 @@ def verify(
     if not verbose:
         quiet_console()
     with prefect_api(home, wait=False) as api:  # a server's start overlaps the imports
-        from quantloop.flows.verify import verify as verify_flow
+        from quantloop.tasks.runtime import collector
+
+        with collector.paused():  # then frozen: later collections skip the stack
+            from quantloop.flows.verify import verify as verify_flow
 
         api.ready()
         report = verify_flow(workspace_of(home, None), sample=sample or None, repair=repair)
