@@ -46,9 +46,12 @@ def engine(
         raise typer.Exit(done.returncode)
     import runpy
 
-    import prefect.engine
+    from quantloop.tasks.runtime import collector
 
-    from quantloop.tasks.runtime import heartbeats
+    with collector.paused():  # then frozen: later collections skip Prefect's engine
+        import prefect.engine
+
+        from quantloop.tasks.runtime import heartbeats
 
     # Its flow run ends without waiting on Prefect's heartbeat thread, whichever flow the
     # deployment names (quantloop's flows install it on import too).
