@@ -47,6 +47,7 @@ from quantloop.tasks.research.training import (
     load_model,
     resolve_device,
     save_model,
+    start_cuda_driver,
 )
 from quantloop.tasks.runtime import overlap, progress, timeline
 from quantloop.tasks.runtime.sites import stage_site
@@ -164,6 +165,8 @@ def import_inductor_ahead(stage: StageParams, config: TrainConfig) -> bool:
     the trainer's set-up."""
 
     def work() -> None:
+        if config.device != "cpu":
+            start_cuda_driver()  # the lock let go meanwhile (compiles_here asks torch.cuda)
         if compiles_here(stage, config):
             for module in INDUCTOR_MODULES:
                 if module not in sys.modules:

@@ -30,6 +30,24 @@ from quantloop.tasks.research.train_config import TrainConfig
 INPUT_CLIP = 10.0  # standardized inputs are clipped to +-10 std: one wild event can't dominate
 
 
+def start_cuda_driver() -> bool:
+    """Start the CUDA driver (`cuInit`) through ctypes, which lets go of the interpreter's
+    lock for a foreign call, so that a thread starting CUDA leaves the others running; a
+    later torch.cuda.is_available() then finds the driver up. Starting it from torch holds
+    the lock throughout: 0.24 s of a served no-op's main thread on an H100, stuck in the
+    ahead thread's Thread.start (py-spy, bench/results/turnaround-h200-ahead-notes.md,
+    call 18). False where there is no driver (a CPU machine) or torch has no CUDA."""
+    if torch.version.cuda is None:
+        return False
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return driver.cuInit(0) == 0  # CUDA_SUCCESS; an error is raised again by torch's call
+
+
 def resolve_device(name: str) -> torch.device:
     """The device `name` (TrainConfig.device) means on the machine that trains: checked
     here, not in the config, which is also read where training does not run (the UI's
