@@ -45,6 +45,7 @@ from quantloop.tasks.research.training import (
     TrainConfig,
     TrainResult,
     load_model,
+    open_cuda_context,
     resolve_device,
     save_model,
     start_cuda_driver,
@@ -159,15 +160,17 @@ def import_inductor_ahead(stage: StageParams, config: TrainConfig) -> bool:
     thread runs even where the warm process imported Inductor already: skipped there
     (488b06b), the train stage's plan paid that start on the path, 0.13-0.21 s in every
     run of an A/B on one H100 (call 15 of bench/results/turnaround-h200-ahead-notes.md)
-    against 0.01-0.02 s with the thread. Not the CUDA context's tensors too: measured on
-    the H200 (call 12) a `torch.zeros(1)` on the device held the main thread's MLflow
-    calls or the train stage's plan for 0.35-0.9 s, more than the 0.1-0.17 s it took off
-    the trainer's set-up."""
+    against 0.01-0.02 s with the thread. The driver and the device's context are started
+    through the driver's API (`start_cuda_driver`, `open_cuda_context`), which lets go of
+    the interpreter's lock: from torch, the driver's start held the main thread 0.24 s
+    (H100, call 18) and a `torch.zeros(1)` on the device held the main thread's MLflow
+    calls or the train stage's plan for 0.35-0.9 s (H200, call 12)."""
 
     def work() -> None:
         if config.device != "cpu":
             start_cuda_driver()  # the lock let go meanwhile (compiles_here asks torch.cuda)
         if compiles_here(stage, config):
+            open_cuda_context(resolve_device(config.device))  # the model's set-up's, ahead
             for module in INDUCTOR_MODULES:
                 if module not in sys.modules:
                     importlib.import_module(module)

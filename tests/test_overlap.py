@@ -110,31 +110,35 @@ def test_ending_a_run_removes_no_variable(monkeypatch):
 GAP_PROBE = r"""
 import sys, threading, time
 import torch
-from quantloop.tasks.research.training import start_cuda_driver
+from quantloop.tasks.research.training import open_cuda_context, start_cuda_driver
 out = {}
 def start():
     out.update(up=start_cuda_driver(), cuda=torch.cuda.is_available())
+    out.update(context=open_cuda_context(torch.device("cuda")) if out["cuda"] else False)
 t = threading.Thread(target=start)
 last, gap = time.perf_counter(), 0.0
 t.start()
 while t.is_alive():
     now = time.perf_counter()
     gap, last = max(gap, now - last), now
-print(out["up"], out["cuda"], gap)
+if out["context"]:  # the runtime takes the context made ahead
+    assert torch.ones(2, device="cuda").sum().item() == 2
+print(out["up"], out["cuda"], out["context"], gap)
 """
 
 
 def test_starting_cuda_in_a_thread_leaves_the_main_thread_running():
-    """The ahead thread starts the CUDA driver through ctypes (the interpreter's lock let
-    go), then torch finds it up: the main thread is never held for the driver's start
-    (0.24 s from torch alone on an H100). Without a driver (CI) it says so and torch
-    agrees; a fresh interpreter, since CUDA starts once a process."""
+    """The ahead thread starts the CUDA driver and the device's context through ctypes (the
+    interpreter's lock let go), then torch finds them up: the main thread is never held
+    for them (0.24 s for the driver's start from torch alone on an H100). Without a driver
+    (CI) it says so and torch agrees; a fresh interpreter, since CUDA starts once a
+    process."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-c", GAP_PROBE], capture_output=True, text=True,
                           timeout=120, check=True)  # fmt: skip
-    up, cuda, gap = done.stdout.split()
-    assert up == cuda  # the driver up exactly where torch finds CUDA
+    up, cuda, context, gap = done.stdout.split()
+    assert up == cuda == context  # driver and context up exactly where torch finds CUDA
     if cuda == "True":
         assert float(gap) < 0.05, f"the main thread was held {float(gap):.3f} s"

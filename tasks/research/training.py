@@ -48,6 +48,25 @@ def start_cuda_driver() -> bool:
     return driver.cuInit(0) == 0  # CUDA_SUCCESS; an error is raised again by torch's call
 
 
+def open_cuda_context(device: torch.device) -> bool:
+    """Create `device`'s primary context (the one torch's runtime uses) through ctypes, the
+    interpreter's lock let go, after `start_cuda_driver`: the runtime's first call on the
+    device then finds it made. Made by torch instead, it held the lock 0.35-0.9 s (a
+    `torch.zeros(1)` in a thread beside the main thread's MLflow calls, H200 call 12 of
+    bench/results/turnaround-h200-ahead-notes.md). Retained for the process's life, as the
+    runtime retains it. False where it could not be made (torch's call says why)."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    ordinal, context = ctypes.c_int(), ctypes.c_void_p()
+    if driver.cuDeviceGet(ctypes.byref(ordinal), device.index or 0) != 0:
+        return False
+    return driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), ordinal) == 0
+
+
 def resolve_device(name: str) -> torch.device:
     """The device `name` (TrainConfig.device) means on the machine that trains: checked
     here, not in the config, which is also read where training does not run (the UI's
