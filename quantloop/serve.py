@@ -76,6 +76,7 @@ from quantloop.supervisor import (
     tail,
     wait_ready,
 )
+from quantloop.tasks.records import mlflow_db
 from quantloop.tasks.runtime import prefect_db
 
 WORKER_NAME = "quantloop-serve"
@@ -237,7 +238,10 @@ def mlflow_service(cfg: StackConfig) -> Service:
         "--host", cfg.host, "--port", str(cfg.mlflow_port), "--workers", "1",
         "--artifacts-destination", str(cfg.home / "mlartifacts"),
     ]  # fmt: skip
-    return Service("mlflow server", argv, env, cfg.logs / "mlflow-server.log")
+    # a new home's SQLite store: a copy of a migrated empty one (1.3-2.5 CPU-s of a start),
+    # private as protect_stores makes it
+    return Service("mlflow server", argv, env, cfg.logs / "mlflow-server.log",
+                   prepare=lambda: mlflow_db.seed(cfg.mlflow_store, mode=0o600))  # fmt: skip
 
 
 def worker_service(cfg: StackConfig) -> Service:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from quantloop.tasks.records import mlflow_db
 from quantloop.tasks.runtime import prefect_db
 
 
@@ -71,12 +72,14 @@ class MlflowServer:
                        MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex())  # fmt: skip
             auth = ["--app-name", "basic-auth"]
         self.uri = f"http://127.0.0.1:{port}"
+        store = f"sqlite:///{folder / 'mlflow.db'}"
+        mlflow_db.seed(store)  # as `quantloop serve` starts its server
         self._log = open(folder / "mlflow-server.log", "ab")
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "mlflow", "server", *auth,
                 "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+                "--backend-store-uri", store,
                 "--artifacts-destination", str(folder / "artifacts"),
             ],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from quantloop.tasks.records import mlflow_db
 from quantloop.tasks.records.provenance import git_commit
 from quantloop.tasks.runtime import timeline
 
@@ -152,6 +153,7 @@ def client_for(tracking: MlflowTracking) -> tuple[MlflowClient, str]:
 def _client_for(tracking: MlflowTracking, uri: str) -> tuple[MlflowClient, str]:
     cache_schema_head()
     with _store_lock(uri):
+        mlflow_db.seed(uri)  # a new SQLite store: a copy of a migrated empty one
         # Opening a SQLite store creates its tables (the client's constructor opens the
         # tracking store, the first registry call the registry's): two first runs at
         # once raced in the migration ("alembic_version ... 0 found", then "duplicate
