@@ -66,8 +66,13 @@ def test_run_shows_stage_lines_and_keeps_dask_chatter_in_the_log(prefect_api, tm
     }))  # fmt: skip
     # QUANTLOOP_INLINE_BELOW_S=0: the LocalCluster starts (these 2 small first nodes would
     # run in the flow's process), so that Dask's lines are there to keep off the console
+    # XDG_CACHE_HOME a file: no migrated empty MLflow store to copy (tasks/records/
+    # mlflow_db.py), so MLflow creates the new home's tables itself and says so: its line
+    # must reach the log, not the console
+    (tmp_path / "no-cache").write_text("")
     env = servers.prefect_env(tmp_path / "prefect", PREFECT_API_URL=prefect_api, COLUMNS="80",
-                              QUANTLOOP_INLINE_BELOW_S="0")  # fmt: skip
+                              QUANTLOOP_INLINE_BELOW_S="0",
+                              XDG_CACHE_HOME=str(tmp_path / "no-cache"))  # fmt: skip
     exe = Path(sys.executable).with_name("quantloop")
     home = tmp_path / "home"
     proc = subprocess.run(
