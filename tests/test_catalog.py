@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import tempfile
 import uuid
@@ -298,3 +299,54 @@ def test_a_streamed_day_lands_on_s3_with_its_digest(s3_endpoint, tmp_path, lobst
     assert again[0].status == "unchanged"
     assert [p for p in fs.find(bucket) if storage.TMP_MARK in p] == []
     assert [p for p in Path(tempfile.gettempdir()).glob(f"{storage.TMP_MARK}*.parquet")] == []
+
+
+def test_a_catalog_opened_again_is_the_same_database_until_its_file_is_made_again(tmp_path):
+    """A run opens its catalog a dozen times: one Database a file (its schema checked once,
+    its idle connection kept, so the WAL is not checkpointed at each close); a catalog
+    deleted and made again is a new file, checked and migrated again, and still works."""
+    import os
+
+    from quantloop.tasks.data import catalog as catalog_module
+
+    path = tmp_path / "catalog.sqlite"
+    first, again = Catalog(path), Catalog(path)
+    assert first._db is again._db
+    first.land("d", Partition("AAA", DATES[0]), random_book(50, seed=1), root=str(tmp_path))
+    assert [e.partition.product for e in again.entries("d")] == ["AAA"]
+    pin = first.pin("d", first.entries("d"))
+    assert again.pinned(pin) is first.pinned(pin)  # a pin never changes: read once
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f"{path}{suffix}")
+    made_again = Catalog(path)
+    assert made_again._db is not first._db and made_again.entries("d") == []
+    # the last few files only, each holding a connection
+    for i in range(catalog_module._OPENED_MAX + 2):
+        Catalog(tmp_path / f"c{i}" / "catalog.sqlite")
+    assert len(catalog_module._OPENED) == catalog_module._OPENED_MAX
+    assert first._db._keeper is None  # let go when it left the list; it still works
+    assert [e.partition.product for e in first.entries("d")] == []  # the new file's
+
+
+def test_a_forked_child_opens_its_own_database(tmp_path):
+    """The connections a forked child inherits are not reused there (SQLite's rule)."""
+    import os
+
+    path = tmp_path / "catalog.sqlite"
+    parent = Catalog(path)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a new Database, which lands and reads
+        try:
+            child = Catalog(path)
+            child.land("d", Partition("BBB", DATES[1]), random_book(50, seed=2),
+                       root=str(tmp_path))  # fmt: skip
+            ok = child._db is not parent._db and len(child.entries("d")) == 1
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    assert [e.partition.product for e in parent.entries("d")] == ["BBB"]

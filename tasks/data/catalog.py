@@ -11,10 +11,12 @@ version (the old file stays, so older runs remain reproducible).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as dt
 import itertools
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -107,6 +109,48 @@ def data_digest(pairs: Iterable[tuple[str, str]]) -> str:
     return sha256_json(sorted(pairs))
 
 
+# The SQLite catalogs this process opened, each one Database: migrated once (its version
+# read again on its idle connection at each open, as another quantloop may migrate it),
+# and that connection kept between the Catalog objects that come and go (a run makes a
+# dozen), so that SQLite does not checkpoint and delete the WAL each time the last
+# connection closes (catalog_db.Database._keep_open): 13 opens took 0.24 s of a tiny
+# research run on this VM, 0.03 s so. Keyed by the file's identity, so a catalog deleted and made
+# again is checked again (the idle connection holds the old file open: its inode is not
+# reused meanwhile); the last few only, each holding a connection (file handles).
+_OPENED: collections.OrderedDict[tuple[str, int, int], Database] = collections.OrderedDict()
+_OPENED_MAX = 8
+_opened_lock = threading.Lock()
+_opened_by = [os.getpid()]
+# A forked child's inherited connections: never used, and never closed (a close could
+# checkpoint the parent's WAL from a process that holds none of its locks)
+_INHERITED: list[Database] = []
+
+
+def _sqlite_database(path: Path) -> Database:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError), _opened_lock:
+        if _opened_by[0] != os.getpid():
+            _INHERITED.extend(_OPENED.values())
+            _OPENED.clear()
+            _opened_by[0] = os.getpid()
+        found = path.stat()
+        key = (str(path.absolute()), found.st_dev, found.st_ino)
+        if key in _OPENED and _OPENED[key].at_latest():
+            _OPENED.move_to_end(key)
+            return _OPENED[key]
+    db = Database(str(path))
+    db.migrate()  # creates the file if it is new
+    made = path.stat()
+    with _opened_lock:
+        key = (str(path.absolute()), made.st_dev, made.st_ino)
+        if (before := _OPENED.pop(key, None)) is not None:
+            before.close()  # checked again: this one is the file's now
+        _OPENED[key] = db
+        while len(_OPENED) > _OPENED_MAX:
+            _OPENED.popitem(last=False)[1].close()
+    return db
+
+
 class Catalog:
     """The partition catalog on a SQLite file (`where` a path) or a PostgreSQL database
     (`where` a postgresql:// URL); safe for several processes, and on PostgreSQL for
@@ -118,11 +162,10 @@ class Catalog:
             # What is shown and recorded (a run's catalog tag): the URL without its password,
             # which reopens it where libpq finds the password (PGPASSWORD, ~/.pgpass)
             self.path: Path | str = self._db.shown
+            self._db.migrate()
         else:
             self.path = Path(where)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = Database(str(self.path))
-        self._db.migrate()
+            self._db = _sqlite_database(self.path)
 
     @property
     def on_postgres(self) -> bool:
@@ -415,10 +458,15 @@ class Catalog:
 
     def pinned(self, pin: str) -> pa.Table:
         """The partition versions of a pin (TABLE_SCHEMA, sorted by product and date)."""
+        if (known := self._db.pins.get(pin)) is not None:
+            return known
         with self._connect() as db:
             row = db.execute("SELECT data FROM pins WHERE pin = ?", (pin,)).fetchone()
         if row is not None:
-            return storage.decode_table(bytes(row[0]))
+            table = self._db.pins[pin] = storage.decode_table(bytes(row[0]))
+            while len(self._db.pins) > 4:  # the last few: a pin of 10^6 nodes is megabytes
+                self._db.pins.popitem(last=False)
+            return table
         # A SQLite catalog's pins made before schema version 2: files beside it
         if isinstance(self.path, Path):
             legacy = self.path.parent / f"{self.path.name}.pins" / f"{pin}.arrows"

@@ -15,9 +15,11 @@ one whose schema is newer than this code's is refused, naming both versions.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as dt
 import sqlite3
+import threading
 import urllib.parse
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -197,6 +199,10 @@ class Database:
         self.postgres = is_url(self.where)
         self.shown = without_password(self.where) if self.postgres else self.where
         self._keeper: sqlite3.Connection | None = None
+        self._keeper_lock = threading.Lock()
+        # pins read, decoded: a pin's row is written once and never changed (its id is the
+        # digest of its versions), and a run reads its pin at each stage's plan
+        self.pins: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
     def _keep_open(self) -> None:
         """SQLite: one idle connection for the life of this object. When the last
@@ -209,8 +215,30 @@ class Database:
             keeper.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
             self._keeper = keeper
 
+    def at_latest(self) -> bool:
+        """Whether the schema is still LATEST, read on the idle connection (a few
+        microseconds, no new connection): another quantloop may have migrated the file
+        since this object checked it. False where there is no idle connection."""
+        keeper = self._keeper
+        if keeper is None:
+            return False
+        with self._keeper_lock:  # one statement at a time on the shared connection
+            [(version,)] = keeper.execute("SELECT MAX(version) FROM schema_version").fetchall()
+        return version == LATEST
+
+    def close(self) -> None:
+        """Let go of the idle connection (the next use opens connections as it needs)."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.close()
+
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_keeper": None}  # a connection does not travel
+        # a connection does not travel, nor what was read through it
+        return {**self.__dict__, "_keeper": None, "_keeper_lock": None,
+                "pins": collections.OrderedDict()}  # fmt: skip
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _keeper_lock=threading.Lock())
 
     @contextlib.contextmanager
     def connect(self) -> Iterator[Connection]:
