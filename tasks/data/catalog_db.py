@@ -219,16 +219,17 @@ class Database:
         """Whether the schema is still LATEST, read on the idle connection (a few
         microseconds, no new connection): another quantloop may have migrated the file
         since this object checked it. False where there is no idle connection."""
-        keeper = self._keeper
-        if keeper is None:
-            return False
         with self._keeper_lock:  # one statement at a time on the shared connection
-            [(version,)] = keeper.execute("SELECT MAX(version) FROM schema_version").fetchall()
+            if self._keeper is None:
+                return False
+            query = "SELECT MAX(version) FROM schema_version"
+            [(version,)] = self._keeper.execute(query).fetchall()
         return version == LATEST
 
     def close(self) -> None:
         """Let go of the idle connection (the next use opens connections as it needs)."""
-        keeper, self._keeper = self._keeper, None
+        with self._keeper_lock:
+            keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.close()
 
