@@ -61,6 +61,8 @@ def test_only_a_missing_sqlite_store_is_made(tmp_path):
     assert existing.read_bytes() == b"someone's store"
     assert mlflow_db.seed("http://127.0.0.1:5000") is False
     assert mlflow_db.seed("postgresql://u:p@db/mlflow") is False
+    assert mlflow_db.seed(f"sqlite:///{tmp_path / 'options.db'}?timeout=10") is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.db"]
 
     private = tmp_path / "serve" / "mlflow.db"
     assert mlflow_db.seed(f"sqlite:///{private}", mode=0o600) is True  # quantloop serve's

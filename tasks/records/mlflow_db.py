@@ -37,8 +37,9 @@ def template_path() -> Path:
 
 
 def store_path(uri: str) -> Path | None:
-    """The file of a SQLite store URI; None for a server or another database."""
-    if not uri.startswith(URL_PREFIX):
+    """The file of a SQLite store URI; None for a server, another database, or a URI with
+    options (`?...`: left to MLflow as it is)."""
+    if not uri.startswith(URL_PREFIX) or "?" in uri:
         return None
     return Path(uri[len(URL_PREFIX) :])
 
