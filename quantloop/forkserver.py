@@ -121,13 +121,15 @@ WARM_INDUCTOR = ("torch._inductor.compile_fx", "torch._inductor.cudagraph_trees"
 # of tasks/records/plots.py draw), and torch.export's first call
 # (a registration's export runs in a child of this process: tasks/records/registry.py),
 # the estimators' first call (arch's numba kernel, where numba is installed), MLflow's
-# migration head, which each opening of a SQL store otherwise finds again (~55 ms), and
-# what Prefect's and MLflow's first calls build (tasks/runtime/first_calls.py)
+# migration head, which each opening of a SQL store otherwise finds again (~55 ms), and a
+# run's first MLflow calls on a scratch store (a child's first client and run 0.5 -> 0.2
+# CPU-s here), and what Prefect's and MLflow's first calls build
+# (tasks/runtime/first_calls.py)
 WARM_CALLS = (
     "quantloop.tasks.records.plots:_figure_class",
     "quantloop.tasks.records.registry:warm_export",
     "quantloop.tasks.research.uncertainty:warm",
-    "quantloop.tasks.records.tracking:warm_store",
+    "quantloop.tasks.records.tracking:warm_client",
     "quantloop.tasks.runtime.first_calls:warm",
 )
 

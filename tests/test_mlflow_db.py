@@ -92,3 +92,50 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_the_warm_process_makes_a_runs_first_calls_and_leaves_nothing_open(tmp_path):
+    """tracking.warm_client (a warm process's warm-up): a run's first MLflow calls on a
+    scratch store, which leaves no engine, folder, thread, timeline entry or setting
+    behind; a child forked after it opens its own store and records a run there."""
+    import threading
+
+    from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore as Registry
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from quantloop.blocks import MlflowTracking
+    from quantloop.tasks.records import tracking
+    from quantloop.tasks.runtime import timeline
+
+    engines = set(SqlAlchemyStore._engine_map) | set(Registry._engine_map)
+    threads = {t.ident for t in threading.enumerate()}
+    telemetry = os.environ.get("MLFLOW_DISABLE_TELEMETRY")
+    calls = dict(timeline.TIMELINE.totals)
+    tracking.warm_client()
+    assert set(SqlAlchemyStore._engine_map) | set(Registry._engine_map) == engines
+    assert {t.ident for t in threading.enumerate()} <= threads
+    assert os.environ.get("MLFLOW_DISABLE_TELEMETRY") == telemetry
+    assert dict(timeline.TIMELINE.totals) == calls
+    assert not [p for p in Path(tempfile_dir()).glob("quantloop-warm-mlflow-*")]
+
+    block = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            client, experiment = tracking._client_for(block, block.tracking_uri)
+            with tracking.run(client, experiment, "child") as run:
+                run.metrics({"m": 2.0})
+            ok = client.get_run(run.run_id).data.metrics == {"m": 2.0}
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+
+
+def tempfile_dir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
