@@ -114,9 +114,9 @@ def data_digest(pairs: Iterable[tuple[str, str]]) -> str:
 # and that connection kept between the Catalog objects that come and go (a run makes a
 # dozen), so that SQLite does not checkpoint and delete the WAL each time the last
 # connection closes (catalog_db.Database._keep_open): 13 opens took 0.24 s of a tiny
-# research run on this VM, 0.03 s so. Keyed by the file's identity, so a catalog deleted and made
-# again is checked again (the idle connection holds the old file open: its inode is not
-# reused meanwhile); the last few only, each holding a connection (file handles).
+# research run on this VM, 0.03 s so. Keyed by the file's identity, so a catalog
+# deleted and made again is checked again (the idle connection holds the old file open:
+# its inode is not reused meanwhile); the last few only, each holding a connection.
 _OPENED: collections.OrderedDict[tuple[str, int, int], Database] = collections.OrderedDict()
 _OPENED_MAX = 8
 _opened_lock = threading.Lock()

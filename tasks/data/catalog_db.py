@@ -223,7 +223,10 @@ class Database:
             if self._keeper is None:
                 return False
             query = "SELECT MAX(version) FROM schema_version"
-            [(version,)] = self._keeper.execute(query).fetchall()
+            try:
+                [(version,)] = self._keeper.execute(query).fetchall()
+            except sqlite3.Error:  # not a catalog as it was: migrate() looks again
+                return False
         return version == LATEST
 
     def close(self) -> None:
