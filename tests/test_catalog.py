@@ -16,6 +16,7 @@ from quantloop.tasks.data.catalog import Catalog
 from quantloop.tasks.data.schema import Partition
 from quantloop.tasks.engine import storage
 from tests.books import random_book
+from tests.forking import in_forked_child
 
 PRODUCTS = ["AAA", "BBB"]
 DATES = [dt.date(2026, 1, 5), dt.date(2026, 1, 6)]
@@ -331,22 +332,13 @@ def test_a_catalog_opened_again_is_the_same_database_until_its_file_is_made_agai
 
 def test_a_forked_child_opens_its_own_database(tmp_path):
     """The connections a forked child inherits are not reused there (SQLite's rule)."""
-    import os
-
     path = tmp_path / "catalog.sqlite"
     parent = Catalog(path)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: a new Database, which lands and reads
-        try:
-            child = Catalog(path)
-            child.land("d", Partition("BBB", DATES[1]), random_book(50, seed=2),
-                       root=str(tmp_path))  # fmt: skip
-            ok = child._db is not parent._db and len(child.entries("d")) == 1
-            os.write(write, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    assert os.read(read, 1) == b"1"
-    os.waitpid(pid, 0)
+
+    def child_lands_and_reads() -> bool:  # a Database of its own
+        child = Catalog(path)
+        child.land("d", Partition("BBB", DATES[1]), random_book(50, seed=2), root=str(tmp_path))
+        return child._db is not parent._db and len(child.entries("d")) == 1
+
+    assert in_forked_child(child_lands_and_reads)
     assert [e.partition.product for e in parent.entries("d")] == ["BBB"]

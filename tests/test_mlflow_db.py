@@ -9,12 +9,14 @@ import contextlib
 import os
 import sqlite3
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from quantloop.tasks.records import mlflow_db
 from tests import servers
+from tests.forking import in_forked_child
 
 
 def rows(db: Path, sql: str) -> list[tuple]:
@@ -94,7 +96,7 @@ def _umask() -> int:
     return mask
 
 
-def test_the_warm_process_makes_a_runs_first_calls_and_leaves_nothing_open(tmp_path):
+def test_the_warm_process_makes_a_runs_first_calls_and_leaves_nothing_open(tmp_path, monkeypatch):
     """tracking.warm_client (a warm process's warm-up): a run's first MLflow calls on a
     scratch store, which leaves no engine, folder, thread, timeline entry or setting
     behind; a child forked after it opens its own store and records a run there."""
@@ -111,31 +113,22 @@ def test_the_warm_process_makes_a_runs_first_calls_and_leaves_nothing_open(tmp_p
     threads = {t.ident for t in threading.enumerate()}
     telemetry = os.environ.get("MLFLOW_DISABLE_TELEMETRY")
     calls = dict(timeline.TIMELINE.totals)
+    scratch = tmp_path / "tmp"  # its own, not /tmp, where other tests' warm processes warm
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     tracking.warm_client()
     assert set(SqlAlchemyStore._engine_map) | set(Registry._engine_map) == engines
     assert {t.ident for t in threading.enumerate()} <= threads
     assert os.environ.get("MLFLOW_DISABLE_TELEMETRY") == telemetry
     assert dict(timeline.TIMELINE.totals) == calls
-    assert not [p for p in Path(tempfile_dir()).glob("quantloop-warm-mlflow-*")]
+    assert list(scratch.iterdir()) == []  # its folder removed
 
     block = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            client, experiment = tracking._client_for(block, block.tracking_uri)
-            with tracking.run(client, experiment, "child") as run:
-                run.metrics({"m": 2.0})
-            ok = client.get_run(run.run_id).data.metrics == {"m": 2.0}
-            os.write(write, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    assert os.read(read, 1) == b"1"
-    os.waitpid(pid, 0)
 
+    def child_records() -> bool:
+        client, experiment = tracking._client_for(block, block.tracking_uri)
+        with tracking.run(client, experiment, "child") as run:
+            run.metrics({"m": 2.0})
+        return client.get_run(run.run_id).data.metrics == {"m": 2.0}
 
-def tempfile_dir() -> str:
-    import tempfile
-
-    return tempfile.gettempdir()
+    assert in_forked_child(child_records)

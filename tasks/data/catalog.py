@@ -120,19 +120,24 @@ def data_digest(pairs: Iterable[tuple[str, str]]) -> str:
 _OPENED: collections.OrderedDict[tuple[str, int, int], Database] = collections.OrderedDict()
 _OPENED_MAX = 8
 _opened_lock = threading.Lock()
-_opened_by = [os.getpid()]
 # A forked child's inherited connections: never used, and never closed (a close could
 # checkpoint the parent's WAL from a process that holds none of its locks)
 _INHERITED: list[Database] = []
 
 
+def _forget_inherited() -> None:
+    global _opened_lock
+    _opened_lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    _INHERITED.extend(_OPENED.values())
+    _OPENED.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+
+
 def _sqlite_database(path: Path) -> Database:
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError), _opened_lock:
-        if _opened_by[0] != os.getpid():
-            _INHERITED.extend(_OPENED.values())
-            _OPENED.clear()
-            _opened_by[0] = os.getpid()
         found = path.stat()
         key = (str(path.absolute()), found.st_dev, found.st_ino)
         if key in _OPENED and _OPENED[key].at_latest():

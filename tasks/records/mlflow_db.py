@@ -6,7 +6,8 @@ run on a new home on this 2-core VM (the tracking and registry stores opened in-
 and 1.3-2.5 CPU-s of a new `mlflow server`'s start (6.1-7.3 against 4.8-4.9 CPU-s to its
 first answer). Every new workspace pays it, and so does every test with a home of its
 own. So the empty store, migrated once per MLflow version, is kept in the user's cache
-(as Prefect's: tasks/runtime/prefect_db.py), and a new store starts as a copy of it.
+(as Prefect's: tasks/runtime/prefect_db.py; the mechanism, tasks/runtime/db_templates.py), and
+a new store starts as a copy of it.
 
 The template holds no experiment: the store makes its Default experiment (id 0) on its
 first open, with the artifact location of whoever opens it (a folder beside the store,
@@ -18,14 +19,12 @@ there, and none is made (the file is named by the version).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
 
-from quantloop.tasks.runtime.prefect_db import cache_dir
+from quantloop.tasks.runtime.db_templates import cache_dir, copy_new, made_once
 
 URL_PREFIX = "sqlite:///"
 
@@ -47,18 +46,7 @@ def store_path(uri: str) -> Path | None:
 def template() -> Path | None:
     """The migrated empty store of this MLflow version, made if missing (one process at a
     time, the others waiting for it); None when it cannot be made."""
-    path = template_path()
-    if path.exists():
-        return path
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not path.exists():
-                _build(path)
-    except (OSError, sqlite3.Error):
-        return None  # MLflow migrates its own store, as without a template
-    return path
+    return made_once(template_path(), _build)
 
 
 def _build(path: Path) -> None:
@@ -92,18 +80,5 @@ def seed(uri: str, mode: int = 0o644) -> bool:
     source = template()
     if source is None:
         return False
-    db.parent.mkdir(parents=True, exist_ok=True)
-    partial = db.with_name(f".{db.name}.{os.getpid()}.tmp")
-    made = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with open(source, "rb") as src, open(made, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    try:
-        os.link(partial, db)  # never over a store another process made meanwhile
-    except FileExistsError:
-        pass
-    except OSError:  # a filesystem without hard links
-        if not db.exists():
-            os.replace(partial, db)
-    finally:
-        partial.unlink(missing_ok=True)
+    copy_new(source, db, mode)
     return True

@@ -13,9 +13,7 @@ made (the file is named by the version).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -23,13 +21,10 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from quantloop.tasks.runtime.db_templates import cache_dir, copy_new, made_once
+
 URL_PREFIX = "sqlite+aiosqlite:///"
 BUILD_TIMEOUT_S = 600  # migrations from nothing, on a machine as busy as it gets
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "quantloop"
 
 
 def template_path() -> Path:
@@ -48,18 +43,7 @@ def _database(env: Mapping[str, str]) -> Path | None:
 def template() -> Path | None:
     """The migrated empty database of this Prefect version, made if missing (one process
     at a time, the others waiting for it); None when it cannot be made."""
-    path = template_path()
-    if path.exists():
-        return path
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not path.exists():
-                _build(path)
-    except (OSError, subprocess.SubprocessError, sqlite3.Error):
-        return None  # the server migrates its own database, as without a template
-    return path
+    return made_once(template_path(), _build)
 
 
 def _build(path: Path) -> None:
@@ -89,16 +73,5 @@ def seed(env: Mapping[str, str]) -> bool:
     source = template()
     if source is None:
         return False
-    db.parent.mkdir(parents=True, exist_ok=True)
-    partial = db.with_name(f".{db.name}.{os.getpid()}.tmp")
-    shutil.copyfile(source, partial)
-    try:
-        os.link(partial, db)  # never over a database another start made meanwhile
-    except FileExistsError:
-        pass
-    except OSError:  # a filesystem without hard links
-        if not db.exists():
-            os.replace(partial, db)
-    finally:
-        partial.unlink(missing_ok=True)
+    copy_new(source, db)
     return True
