@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import report  # noqa: E402
 
 CHILD = r"""
 import ctypes, json, sys, threading, time
@@ -33,12 +36,16 @@ done = threading.Event()
 spent = {}
 def start():
     t = time.perf_counter()
-    if way == "cuinit":
-        ctypes.CDLL("libcuda.so.1").cuInit(0)
-        spent["cuinit_s"] = time.perf_counter() - t
-    spent["available"] = torch.cuda.is_available()
-    spent["thread_s"] = time.perf_counter() - t
-    done.set()
+    try:
+        if way == "cuinit":
+            ctypes.CDLL("libcuda.so.1").cuInit(0)
+            spent["cuinit_s"] = time.perf_counter() - t
+        spent["available"] = torch.cuda.is_available()
+    except OSError as exc:  # no driver here: said, not waited for
+        spent["error"] = str(exc)
+    finally:
+        spent["thread_s"] = time.perf_counter() - t
+        done.set()
 t0 = time.perf_counter()
 th = threading.Thread(target=start)
 th.start()
@@ -70,25 +77,23 @@ def main() -> None:
             if done.returncode:
                 sys.exit(f"{way}: {done.stderr[-2000:]}")
             rows.append(json.loads(done.stdout.splitlines()[-1]))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"  # fmt: skip
-    print(
-        f"machine {platform.node()} {platform.machine()}, python {platform.python_version()}, "
-        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, commit {commit}"
-    )
-    print("| way | thread s | Thread.start s | longest gap s | stalled s | samples |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for way in ("torch", "cuinit"):
-        got = [r for r in rows if r["way"] == way]
-        med = {k: statistics.median(r[k] for r in got)
-               for k in ("thread_s", "start_s", "longest_gap_s", "stalled_s")}  # fmt: skip
-        print(
-            f"| {way} | {med['thread_s']:.3f} | {med['start_s']:.3f} | "
-            f"{med['longest_gap_s']:.3f} | {med['stalled_s']:.3f} | {len(got)} |"
-        )
+            if "error" in rows[-1] or not rows[-1]["available"]:
+                sys.exit(f"{way}: no CUDA here ({rows[-1].get('error', 'torch finds none')})")
+    stamp = report.stamp()  # QUANTLOOP_GIT_COMMIT names the commit on the GPU machine
+    print(report.stamp_line(stamp))
+    median = {
+        way: {k: statistics.median(r[k] for r in rows if r["way"] == way)
+              for k in ("thread_s", "start_s", "longest_gap_s", "stalled_s")}
+        for way in ("torch", "cuinit")
+    }  # fmt: skip
+    print(report.markdown_table(
+        ["way", "thread s", "Thread.start s", "longest gap s", "stalled s", "samples"],
+        [[way, *(f"{m[k]:.3f}" for k in ("thread_s", "start_s", "longest_gap_s", "stalled_s")),
+          sum(r["way"] == way for r in rows)] for way, m in median.items()],
+    ))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"commit": commit, "samples": rows}, f, indent=1)
+            json.dump({**stamp, "samples": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
