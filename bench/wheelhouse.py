@@ -53,8 +53,6 @@ ROOTS = {
     "typer": "typer",
     "rich": "rich",
     "psutil": "psutil",
-    "arch": "arch",
-    "statsmodels": "statsmodels",
     "scipy": "scipy",
     "pandas": "pandas",
     "matplotlib": "matplotlib",

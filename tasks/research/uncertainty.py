@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
+from quantloop.tasks.research import bartlett
+
 MIN_WINDOWS = 30  # fewer effective horizon windows than this: "insufficient data"
 MIN_BANDWIDTH = 4  # Bartlett bandwidth floor, in windows (lag 1 keeps weight 3/4)
 MIN_WINDOW_S = 10.0  # no window shorter than this: the spread's own persistence
@@ -79,9 +81,7 @@ class Estimate:
         """One-sided p-value of H0: mean <= margin against H1: mean > margin."""
         if not self.tested:
             return math.nan
-        from scipy import stats
-
-        return float(stats.t.sf((self.estimate - margin) / self.se, self.df))
+        return t_sf((self.estimate - margin) / self.se, self.df)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -160,34 +160,42 @@ def long_run_variance(z: np.ndarray, min_bandwidth: float = MIN_BANDWIDTH) -> tu
       (and its small-sample bias: 12-14% of the variance with ~50 windows, in a scratch
       simulation of same-side runs on a Brownian mid, not committed);
     - Bartlett's kernel with Newey and West's (1994) automatic bandwidth, at least
-      min_bandwidth (arch's `Bartlett`): slower dependence than the overlap, such as the
-      spread paid, which at a 1 s horizon outlives the 10 s windows.
+      min_bandwidth (tasks/research/bartlett.py: arch's arithmetic): slower dependence than
+      the overlap, such as the spread paid, which at a 1 s horizon outlives the 10 s
+      windows.
 
     Returns (variance of the sum, the Bartlett bandwidth)."""
-    from arch.covariance.kernel import Bartlett  # arch imports pandas: only when needed
-
     z = np.asarray(z, np.float64)
     if len(z) < 2 or not np.any(z):
         return float(np.sum(z * z)), 0.0
     try:
-        automatic = float(Bartlett(z, center=False).bandwidth)
+        automatic = bartlett.automatic_bandwidth(z)
     except ZeroDivisionError:  # the plug-in's pilot spectrum at 0 is 0: one window traded
         automatic = 0.0
     bandwidth = max(automatic if math.isfinite(automatic) else 0.0, float(min_bandwidth))
     bandwidth = min(bandwidth, float(len(z) - 1))
-    bartlett = len(z) * float(np.asarray(Bartlett(z, bandwidth=bandwidth,
-                                                  center=False).cov.long_run).item())  # fmt: skip
+    long_run = len(z) * bartlett.long_run(z, bandwidth)
     truncated = float(np.sum(z * z) + 2 * np.sum(z[1:] * z[:-1]))
-    return max(bartlett, truncated), bandwidth
+    return max(long_run, truncated), bandwidth
+
+
+def t_sf(t: float, df: float) -> float:
+    """Student's t survival function, P(T > t): scipy.stats.t.sf's own function
+    (`scipy.special.stdtr(df, -t)`, the same bits), without importing scipy.stats
+    (~420 modules, 0.3-0.7 s) into every run."""
+    from scipy.special import stdtr
+
+    return float(stdtr(df, -t))
 
 
 def warm() -> None:
-    """Compile what the first estimate compiles: where numba is installed, arch's kernel
-    covariance is a numba function compiled at its first call (2.1 s on the H200 image,
-    where it was most of a run's `statistics: summaries`; bench/results/
-    turnaround-h200-ahead-notes.md, call 10). The warm process calls this once, so its
-    children start compiled (quantloop/forkserver.py WARM_CALLS)."""
+    """Make the first estimate's imports (scipy.special's Student t) before a run needs
+    them: the warm process calls this once, so its children start with them
+    (quantloop/forkserver.py WARM_CALLS). Where arch's numba kernel was used, this was
+    its compile (2.1 s on the H200 image; bench/results/turnaround-h200-ahead-notes.md,
+    call 10)."""
     long_run_variance(np.array([1.0, -0.5, 0.25, -1.0, 0.5, 0.75]))
+    t_sf(1.0, 5.0)
 
 
 def _cells(samples: Sequence[Sample], width: float) -> tuple[list[np.ndarray], int, np.ndarray]:
@@ -249,11 +257,9 @@ def _result(
         return Estimate(se=0.0, n_eff=math.inf, statistic=math.nan, df=df, p_value=math.nan,
                         insufficient="no variation: the same in every window, up to a "
                         "constant", **common)  # fmt: skip
-    from scipy import stats  # scipy.stats costs ~0.3 s to import: not for a no-op run
-
     t = estimate / se
     return Estimate(se=se, n_eff=n_iid * (se_iid / se) ** 2 if se_iid == se_iid else math.nan,
-                    statistic=t, df=df, p_value=float(2 * stats.t.sf(abs(t), df)),
+                    statistic=t, df=df, p_value=2 * t_sf(abs(t), df),
                     **common)  # fmt: skip
 
 
