@@ -98,10 +98,10 @@ WARM_MODULES = (
     "rich.table",
     # what a run that computes imports on the way (py-spy, a run with one product's
     # features changed): dynamo (every torch.optim optimizer's first __init__, 1.0 s),
-    # the simulation's statistics (0.6-1.2 s) and the MLflow figures (0.3 s)
+    # the MLflow figures (0.3 s); the statistics' one import (scipy.special) is
+    # uncertainty:warm's below. Not arch or scipy.stats: arch is a test oracle only ([dev]),
+    # absent where README's first command installed, and ~800 modules nobody uses
     "torch._dynamo",
-    "scipy.stats",
-    "arch.covariance.kernel",
     # and what a cached re-run imports late (py-spy over a warm child, 2026-12-05): the
     # feature stage's read of a store's Parquet files and its summary's group-by (30 ms),
     # MLflow's SQLite dialect, Prefect's task engine (the first task run)
@@ -120,7 +120,7 @@ WARM_INDUCTOR = ("torch._inductor.compile_fx", "torch._inductor.cudagraph_trees"
 # called once the modules are in: matplotlib's Figure and its Agg canvas (as the figures
 # of tasks/records/plots.py draw), and torch.export's first call
 # (a registration's export runs in a child of this process: tasks/records/registry.py),
-# the estimators' first call (arch's numba kernel, where numba is installed), MLflow's
+# the estimators' first call (scipy.special's Student t), MLflow's
 # migration head, which each opening of a SQL store otherwise finds again (~55 ms), and a
 # run's first MLflow calls on a scratch store (a child's first client and run 0.5 -> 0.2
 # CPU-s here), and what Prefect's and MLflow's first calls build

@@ -456,3 +456,45 @@ def test_a_failing_warm_up_step_is_logged_and_left_out():
     lines = proc.stdout.strip().splitlines()
     assert "warm-up step os:no_such_function failed, left out: AttributeError" in lines[0]
     assert lines[1:] == ["serving"]
+
+
+def test_the_warm_imports_come_from_the_runtime_dependencies():
+    """README's first command installs without [dev]: a warm module from a test-only
+    package (arch once was) would fail the server's warm-up there and nowhere in CI."""
+    import importlib.metadata as md
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    from quantloop.forkserver import WARM_INDUCTOR, WARM_MODULES
+
+    # quantloop's own from pyproject.toml (an editable install's metadata can be older)
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    own = pyproject["project"]["dependencies"]
+    runtime: set[str] = set()
+    todo: list[tuple[str, frozenset[str]]] = [("quantloop", frozenset())]
+    seen = set(todo)
+    while todo:  # quantloop's requirements without its extras, and theirs, extras asked
+        dist, extras = todo.pop()
+        reqs = own if dist == "quantloop" else md.requires(dist) or ()
+        for req in map(Requirement, reqs):
+            if req.marker and not any(req.marker.evaluate({"extra": e}) for e in extras or {""}):
+                continue
+            runtime.add(canonicalize_name(req.name))
+            key = (canonicalize_name(req.name), frozenset(req.extras))
+            try:
+                md.distribution(req.name)
+            except md.PackageNotFoundError:
+                continue
+            if key not in seen:
+                seen.add(key)
+                todo.append(key)
+    assert "numpy" in runtime and "arch" not in runtime
+    owners = md.packages_distributions()
+    for module in WARM_MODULES + WARM_INDUCTOR:
+        top = module.split(".")[0]
+        if top != "quantloop":
+            dists = {canonicalize_name(d) for d in owners.get(top, [])}
+            assert dists & runtime, (module, dists)
