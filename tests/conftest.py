@@ -72,6 +72,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, len(os.sched_getaffinity(0)) + 1))
 
 
+def pytest_configure(config) -> None:
+    """`QUANTLOOP_TEST_CPU=FILE`: each test's CPU seconds appended to FILE (tests/cpu_use.py)."""
+    if path := os.environ.get("QUANTLOOP_TEST_CPU"):
+        from tests.cpu_use import CpuUse
+
+        config.pluginmanager.register(CpuUse(path), "quantloop-cpu-use")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection(session):
     """The test modules imported with the cyclic collector paused, then frozen
