@@ -374,6 +374,9 @@ def serve(name: str, idle_s: float) -> None:
     # for the fork instead of paying the same imports itself.
     listener.listen(64)
     t0 = time.perf_counter()
+    # Said at once: a log that shows a server only once it is ready hides one that is
+    # still importing (seconds on a busy machine), and what ended it meanwhile.
+    _log(f"pid {os.getpid()} warming up")
     from quantloop.tasks.runtime import collector
 
     with collector.paused():  # and frozen after: a child's passes skip what it inherits

@@ -1,8 +1,8 @@
 """The warm process (quantloop/forkserver.py), through the real `quantloop` executable:
 a server started by one command forks the next, with the client's streams, folder and
 exit status; a kill -9 or Ctrl-C of the client reaches the command; changed code and an
-idle timeout end the server. Each test has a server of its own (TMPDIR is part of its
-address) and ends it."""
+idle timeout end the server. A test that ends its server has one of its own (TMPDIR is
+part of its address); the others share one; each server is ended with its fixture."""
 
 from __future__ import annotations
 
@@ -50,6 +50,20 @@ class Warm:
     def servers(self) -> list[int]:
         return [int(m[1]) for line in self.lines() if (m := re.search(r"pid (\d+) ready", line))]
 
+    def started(self) -> list[int]:
+        """Every server that bound the address, ready or still warming up."""
+        return [int(m[1]) for line in self.lines()
+                if (m := re.search(r"pid (\d+) warming up", line))]  # fmt: skip
+
+    def wait_started(self, count: int, timeout: float = 60) -> int:
+        """The `count`-th server to start, as soon as it has bound its address (not once
+        ready: its warm-up is 9-20 CPU-s a test need not wait for)."""
+        end = time.monotonic() + timeout
+        while len(self.started()) < count:
+            assert time.monotonic() < end, f"no server started: {self.lines()}"
+            time.sleep(0.1)
+        return self.started()[count - 1]
+
     def forked(self) -> list[int]:
         return [
             int(m[1]) for line in self.lines() if (m := re.search(r"pid (\d+): quantloop", line))
@@ -63,31 +77,49 @@ class Warm:
         return self.servers()[-1]
 
     def stop(self) -> None:
-        _kill(self.servers())
+        _kill(set(self.servers()) | set(self.started()))
+
+
+def _started(tmp: Path) -> Warm:
+    w = Warm(tmp)
+    # The first command runs in-process and starts the server for the next ones.
+    first = w.cli("run", "--lobster", str(tmp / "absent"))
+    assert first.returncode == 2 and "absent does not exist" in first.stderr
+    assert w.forked() == []
+    w.wait_ready()
+    return w
 
 
 @pytest.fixture
 def warm(tmp_path):
-    w = Warm(tmp_path)
-    # The first command runs in-process and starts the server for the next ones.
-    first = w.cli("run", "--lobster", str(tmp_path / "absent"))
-    assert first.returncode == 2 and "absent does not exist" in first.stderr
-    assert w.forked() == []
-    w.wait_ready()
+    """A server of the test's own: for the tests that end it."""
+    w = _started(tmp_path)
     yield w
     w.stop()
 
 
-def test_the_next_command_is_forked_with_the_clients_folder_streams_and_status(warm, tmp_path):
+@pytest.fixture(scope="module")
+def warm_shared(tmp_path_factory):
+    """A server the tests that only use it share (its warm-up: 9-20 CPU-s)."""
+    w = _started(tmp_path_factory.mktemp("warm-shared"))
+    yield w
+    w.stop()
+
+
+def test_the_next_command_is_forked_with_the_clients_folder_streams_and_status(
+    warm_shared, tmp_path
+):
+    warm = warm_shared
     work = tmp_path / "work"
     work.mkdir()
     (work / "bad.json").write_text(json.dumps({"train": {"lr": -1}}))
     server = warm.servers()[-1]
+    before = warm.forked()
     # A path relative to the client's folder; the answer on the client's own pipes.
     done = warm.cli("run", "--params", "bad.json", cwd=work)
     assert done.returncode == 2
     assert "--params bad.json: train.lr" in done.stderr and "greater than 0" in done.stderr
-    [child] = warm.forked()
+    [child] = warm.forked()[len(before) :]
     # it sends its status, then exits: gone within moments (the client may be first)
     assert _gone({child: psutil.Process(child).create_time()} if psutil.pid_exists(child)
                  else {}, timeout=10) == []  # fmt: skip
@@ -101,7 +133,7 @@ def test_the_next_command_is_forked_with_the_clients_folder_streams_and_status(w
     assert frozen > 200_000
     # A command it does not run (serve, api, ...) and --help still answer in-process.
     assert warm.cli("api", "--help").returncode == 0
-    assert warm.forked() == [child]
+    assert warm.forked() == [*before, child]
 
 
 def test_a_different_import_time_variable_is_another_server_and_others_are_not():
@@ -231,7 +263,7 @@ def test_changed_code_ends_the_server_and_the_command_runs_in_process(warm):
     while psutil.pid_exists(server):  # not our child: polled, and it may be gone already
         assert time.monotonic() < end, "the stale server is still running"
         time.sleep(0.1)
-    assert warm.wait_ready(count=2) != server  # the client started a fresh one
+    assert warm.wait_started(count=2) != server  # the client started a fresh one
 
 
 def test_an_idle_server_exits(tmp_path):
@@ -260,7 +292,7 @@ def test_stop_ends_the_server_and_the_next_command_starts_another(warm):
     again = subprocess.run(stop, env=warm.env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "no warm process" in again.stdout
     assert warm.cli("run", "--lobster", "/absent").returncode == 2  # in-process
-    assert warm.wait_ready(count=2) != server
+    assert warm.wait_started(count=2) != server
 
 
 def test_off_starts_nothing(tmp_path):
@@ -319,7 +351,7 @@ def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp
 
 
 def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(
-    warm, tmp_path, monkeypatch, caplog
+    warm_shared, tmp_path, monkeypatch, caplog
 ):
     """tasks/runtime/overlap.call from a command of the server (its address set as the
     fork sets it): the registration's model export runs in another child of the server,
@@ -336,6 +368,7 @@ def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(
     from quantloop.tasks.runtime import overlap
     from tests.test_training import SMALL, learnable_table
 
+    warm = warm_shared
     table = learnable_table(400, 5)
     result = train([table], ["a", "b"], ["label_4"], TrainConfig(**SMALL))
     url = tmp_path / "models" / "m.pt"
