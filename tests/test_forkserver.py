@@ -80,8 +80,8 @@ class Warm:
         _kill(set(self.servers()) | set(self.started()))
 
 
-def _started(tmp: Path) -> Warm:
-    w = Warm(tmp)
+def _started(tmp: Path, **env: str) -> Warm:
+    w = Warm(tmp, **env)
     # The first command runs in-process and starts the server for the next ones.
     first = w.cli("run", "--lobster", str(tmp / "absent"))
     assert first.returncode == 2 and "absent does not exist" in first.stderr
@@ -247,23 +247,35 @@ def test_ctrl_c_reaches_the_command_which_stops_cleanly(warm_api, tmp_path):
         _kill(watched)
 
 
-def test_changed_code_ends_the_server_and_the_command_runs_in_process(warm):
-    server = warm.servers()[-1]
-    watched = Path(forkserver.__file__)
-    st = watched.stat()
+def test_changed_code_ends_the_server_and_the_command_runs_in_process(tmp_path):
+    """The server watches every module file it imported. The file changed here is one
+    only this test's server imports (a sitecustomize on its PYTHONPATH, which is part of
+    its address): a change to quantloop's own files, touched for the test, also ended
+    the warm processes of tests running beside it on other workers whenever one of
+    them was asked for something meanwhile (a fresh-clone suite lost an export test's
+    server so, 2026-12-06)."""
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    watched = custom / "sitecustomize.py"
+    watched.write_text("# imported by every interpreter of this test's environment\n")
+    path = os.pathsep.join(p for p in (str(custom), os.environ.get("PYTHONPATH")) if p)
+    warm = _started(tmp_path, PYTHONPATH=path)
     try:
+        server = warm.servers()[-1]
+        st = watched.stat()
         os.utime(watched, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         done = warm.cli("run", "--lobster", "/absent-too")
         assert done.returncode == 2 and "absent-too does not exist" in done.stderr
+        said = f"{watched} changed on disk: exiting"
+        assert any(line.endswith(said) for line in warm.lines()), warm.lines()
+        assert warm.forked() == []  # answered in-process, not by a stale child
+        end = time.monotonic() + 30
+        while psutil.pid_exists(server):  # not our child: polled, and it may be gone already
+            assert time.monotonic() < end, "the stale server is still running"
+            time.sleep(0.1)
+        assert warm.wait_started(count=2) != server  # the client started a fresh one
     finally:
-        os.utime(watched, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert any("forkserver.py changed on disk: exiting" in line for line in warm.lines())
-    assert warm.forked() == []  # answered in-process, not by a stale child
-    end = time.monotonic() + 30
-    while psutil.pid_exists(server):  # not our child: polled, and it may be gone already
-        assert time.monotonic() < end, "the stale server is still running"
-        time.sleep(0.1)
-    assert warm.wait_started(count=2) != server  # the client started a fresh one
+        warm.stop()
 
 
 def test_an_idle_server_exits(tmp_path):
