@@ -100,8 +100,11 @@ def warm(tmp_path):
 
 @pytest.fixture(scope="module")
 def warm_shared(tmp_path_factory):
-    """A server the tests that only use it share (its warm-up: 9-20 CPU-s)."""
-    w = _started(tmp_path_factory.mktemp("warm-shared"))
+    """A server the tests that only use it share (its warm-up: 9-20 CPU-s). Its idle
+    timeout outlasts the module (the fixture ends it): with the tests' 120 s it exited
+    between its first test and its last in two fresh-clone suites, and the export test
+    found no server."""
+    w = _started(tmp_path_factory.mktemp("warm-shared"), QUANTLOOP_FORKSERVER_IDLE_S="3600")
     yield w
     w.stop()
 
@@ -250,10 +253,9 @@ def test_ctrl_c_reaches_the_command_which_stops_cleanly(warm_api, tmp_path):
 def test_changed_code_ends_the_server_and_the_command_runs_in_process(tmp_path):
     """The server watches every module file it imported. The file changed here is one
     only this test's server imports (a sitecustomize on its PYTHONPATH, which is part of
-    its address): a change to quantloop's own files, touched for the test, also ended
-    the warm processes of tests running beside it on other workers whenever one of
-    them was asked for something meanwhile (a fresh-clone suite lost an export test's
-    server so, 2026-12-06)."""
+    its address): a change to quantloop's own files, touched for the test, would also
+    end the warm processes of tests running beside it on other workers, were one of
+    them asked for something meanwhile."""
     custom = tmp_path / "custom"
     custom.mkdir()
     watched = custom / "sitecustomize.py"
