@@ -229,6 +229,10 @@ def run(argv: list[str], started: float) -> int | None:
                     child = message["pid"]
                 elif "exit" in message:
                     return int(message["exit"])
+        except OSError:
+            # The server died: still importing, the connection in its backlog is reset
+            # (ECONNRESET); after the fork, its child's status is unknown (below).
+            pass
         finally:
             for signum, old in forwarded.items():
                 signal.signal(signum, old)

@@ -6,6 +6,7 @@ part of its address); the others share one; each server is ended with its fixtur
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -324,8 +326,10 @@ def _catches(pid: int, signum: int) -> bool:
     return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
 
 
-def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp_path):
-    w = Warm(tmp_path)
+@contextlib.contextmanager
+def _importing_server(w: Warm) -> Iterator[subprocess.Popen]:
+    """A server of `w`'s environment that has bound its address and is still importing
+    (7-8 s here), ended when the block ends."""
     name = forkserver.address(w.env)
     w.log.parent.mkdir(mode=0o700, parents=True)
     with open(w.log, "ab") as out:
@@ -334,8 +338,6 @@ def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp
             stdout=out, stderr=out, start_new_session=True,
         )  # fmt: skip
     try:
-        # Bound at once, ready only after its imports (7-8 s here): a client in between
-        # waits in its backlog.
         import socket
 
         end = time.monotonic() + 30
@@ -345,23 +347,50 @@ def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp
                     break
             assert time.monotonic() < end, "the server never bound its address"
             time.sleep(0.05)
-        client = subprocess.Popen([str(EXE), "run", "--lobster", str(tmp_path / "absent")],
-                                  env=w.env, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        # Ctrl-C once the client waits on the server: its handlers are set (SIGHUP caught,
-        # which Python leaves alone), not after a fixed sleep; a loaded CI machine took over
-        # 0.5 s to reach them, and a SIGINT during the interpreter's start-up is Python's.
-        end = time.monotonic() + 60
-        while not _catches(client.pid, signal.SIGHUP):
-            assert client.poll() is None, client.stderr.read()
-            assert time.monotonic() < end, "the client never waited on the server"
-            time.sleep(0.02)
+        yield server
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _waiting_client(w: Warm, *args: str) -> subprocess.Popen:
+    """`quantloop *args` started once it waits on the server (in its backlog): its signal
+    handlers are set (SIGHUP caught, which Python leaves alone), not after a fixed sleep;
+    a loaded CI machine took over 0.5 s to reach them."""
+    client = subprocess.Popen([str(EXE), *args], env=w.env, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    end = time.monotonic() + 60
+    while not _catches(client.pid, signal.SIGHUP):
+        assert client.poll() is None, client.stderr.read()
+        assert time.monotonic() < end, "the client never waited on the server"
+        time.sleep(0.02)
+    return client
+
+
+def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp_path):
+    w = Warm(tmp_path)
+    with _importing_server(w):
+        client = _waiting_client(w, "run", "--lobster", str(tmp_path / "absent"))
+        # a SIGINT during the interpreter's start-up would be Python's, hence the wait
         client.send_signal(signal.SIGINT)
         assert client.wait(timeout=10) == 130
         assert w.servers() == [], "the server was ready before the Ctrl-C: nothing shown"
         assert "Traceback" not in client.stderr.read()
-    finally:
+
+
+def test_a_server_that_dies_while_importing_leaves_the_command_to_run_in_process(tmp_path):
+    """The client waits in the backlog of a server that is killed before it forks (an OOM
+    kill, a broken install): the command runs in the client's own process, as with no
+    server at all."""
+    w = Warm(tmp_path)
+    with _importing_server(w) as server:
+        client = _waiting_client(w, "run", "--lobster", str(tmp_path / "absent"))
         server.kill()
         server.wait()
+        assert client.wait(timeout=120) == 2
+        err = client.stderr.read()
+        assert w.servers() == [], "the server was ready before its kill: nothing shown"
+    assert "absent does not exist" in err and "Traceback" not in err, err
 
 
 def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(
