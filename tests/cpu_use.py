@@ -5,7 +5,9 @@ there says more about what ran beside it than about what it costs. With
 `QUANTLOOP_TEST_CPU=FILE` (tests/conftest.py loads this plugin then), every test
 appends one JSON line to FILE: its id, its wall seconds (setup, call and teardown) and
 its CPU seconds, user plus system, of the pytest process and its descendants, those
-alive at the test's end and those reaped during it.
+alive at the test's end and those reaped during it (by the pytest process or by a
+descendant still alive: a module's Prefect worker reaping its flow runs, `quantloop
+serve` the services it restarts).
 
 What it misses: processes that left the tree (a server started in a session of its own
 and re-parented to init, as the resident Prefect API is) and module- or session-scoped
@@ -23,13 +25,16 @@ import pytest
 
 
 def _tree() -> dict[int, tuple[float, float]]:
-    """{pid: (create time, CPU seconds)} of this process's live descendants."""
+    """{pid: (create time, CPU seconds)} of this process's live descendants, each with
+    the children it reaped: a descendant reaped by another moves its CPU there, so the
+    sum over the tree loses nothing when it ends."""
     out = {}
     for p in psutil.Process().children(recursive=True):
         try:
             with p.oneshot():
                 t = p.cpu_times()
-                out[p.pid] = (p.create_time(), t.user + t.system)
+                out[p.pid] = (p.create_time(),
+                              t.user + t.system + t.children_user + t.children_system)  # fmt: skip
         except psutil.Error:
             pass
     return out
@@ -57,7 +62,8 @@ class CpuUse:
                 before = tree.get(pid)
                 cpu += seconds - (before[1] if before and before[0] == created else 0.0)
             # a process that was running at the start and was reaped during the test: its
-            # whole CPU is in _own() now, its part before the start counted already
+            # whole CPU is in _own() or its reaper's now, its part before the start counted
+            # already
             for pid, (created, seconds) in tree.items():
                 if after.get(pid, (None,))[0] != created:
                     cpu -= seconds
