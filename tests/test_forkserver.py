@@ -111,6 +111,8 @@ def warm_shared(tmp_path_factory):
     w.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_the_next_command_is_forked_with_the_clients_folder_streams_and_status(
     warm_shared, tmp_path
 ):
@@ -231,6 +233,7 @@ def _gone(pids: dict[int, float], timeout: float = 30) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_kill_9_of_the_client_ends_its_command_and_what_it_started(warm_api, tmp_path):
     client, watched = _run_until_dask(warm_api, tmp_path)
     try:
@@ -242,6 +245,7 @@ def test_kill_9_of_the_client_ends_its_command_and_what_it_started(warm_api, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_ctrl_c_reaches_the_command_which_stops_cleanly(warm_api, tmp_path):
     client, watched = _run_until_dask(warm_api, tmp_path)
     try:
@@ -252,6 +256,8 @@ def test_ctrl_c_reaches_the_command_which_stops_cleanly(warm_api, tmp_path):
         _kill(watched)
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_changed_code_ends_the_server_and_the_command_runs_in_process(tmp_path):
     """The server watches every module file it imported. The file changed here is one
     only this test's server imports (a sitecustomize on its PYTHONPATH, which is part of
@@ -282,6 +288,8 @@ def test_changed_code_ends_the_server_and_the_command_runs_in_process(tmp_path):
         warm.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_an_idle_server_exits(tmp_path):
     w = Warm(tmp_path, QUANTLOOP_FORKSERVER_IDLE_S="2")
     try:
@@ -296,6 +304,8 @@ def test_an_idle_server_exits(tmp_path):
         w.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_stop_ends_the_server_and_the_next_command_starts_another(warm):
     server = warm.servers()[-1]
     stop = [sys.executable, "-m", "quantloop.forkserver", "--stop"]
@@ -311,6 +321,7 @@ def test_stop_ends_the_server_and_the_next_command_starts_another(warm):
     assert warm.wait_started(count=2) != server
 
 
+@pytest.mark.slow
 def test_off_starts_nothing(tmp_path):
     w = Warm(tmp_path, QUANTLOOP_FORKSERVER="0")
     done = w.cli("run", "--lobster", str(tmp_path / "absent"))
@@ -367,6 +378,8 @@ def _waiting_client(w: Warm, *args: str) -> subprocess.Popen:
     return client
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp_path):
     w = Warm(tmp_path)
     with _importing_server(w):
@@ -378,6 +391,8 @@ def test_ctrl_c_while_the_server_is_still_importing_stops_the_client_at_once(tmp
         assert "Traceback" not in client.stderr.read()
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_a_server_that_dies_while_importing_leaves_the_command_to_run_in_process(tmp_path):
     """The client waits in the backlog of a server that is killed before it forks (an OOM
     kill, a broken install): the command runs in the client's own process, as with no
@@ -393,6 +408,8 @@ def test_a_server_that_dies_while_importing_leaves_the_command_to_run_in_process
     assert "absent does not exist" in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_a_command_hands_its_model_export_to_a_fresh_child_of_its_server(
     warm_shared, tmp_path, monkeypatch, caplog
 ):
@@ -467,6 +484,7 @@ def torch_cuda_built() -> bool:
         n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev"))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_warm_up_leaves_the_server_fit_to_fork():
     """forkserver.warm_up, in a fresh interpreter as the server runs it, asks nothing of
     CUDA: where CUDA is built, `torch.cuda.is_available()` (asked at import by Inductor's

@@ -60,6 +60,7 @@ def test_the_replacement_is_in_place_for_this_prefect():
     assert flow_engine._send_heartbeats is heartbeats.send_heartbeats
 
 
+@pytest.mark.slow
 @pytest.mark.server
 def test_every_flow_run_and_subflow_beats_from_a_thread_that_ends_with_it(prefect_api):
     before = senders()  # an earlier test's threads, if any were still ending
