@@ -78,6 +78,7 @@ from quantloop.supervisor import (
 )
 from quantloop.tasks.records import mlflow_db
 from quantloop.tasks.runtime import prefect_db
+from quantloop.tasks.runtime.prefect_settings import plain_http_tls
 
 WORKER_NAME = "quantloop-serve"
 WORKER_SERVICE = "prefect worker"  # its Service's name
@@ -253,6 +254,8 @@ def worker_service(cfg: StackConfig) -> Service:
         PREFECT_API_URL=cfg.api_url,
         **({"PREFECT_API_AUTH_STRING": creds.prefect_auth_string} if creds else {}),
         PREFECT_WORKER_QUERY_SECONDS="2",
+        # its flow runs' Prefect clients: one certificate to load, not certifi's 117
+        **plain_http_tls(cfg.api_url),
         # Summaries of runs recorded in the workspace's store link to this MLflow UI
         # (on PostgreSQL, the store's URL and its password stay out of the flow runs).
         **{MLFLOW_UI_URL_ENV: cfg.mlflow_url},
@@ -517,7 +520,12 @@ def setup_identities(cfg: StackConfig, creds: Credentials) -> str:
 @contextlib.contextmanager
 def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator[Stack]:
     """The stack, up and ready inside the block, stopped (everything) on the way out."""
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_SSL_CERT_FILE,
+        PREFECT_API_URL,
+        temporary_settings,
+    )
 
     from quantloop.tasks.runtime.reaper import reap_on_death
 
@@ -531,6 +539,8 @@ def running(cfg: StackConfig, *, say: Callable[[str], None] = print) -> Iterator
     creds = cfg.credentials()
     prefect_auth = creds.prefect_auth_string if creds else None
     client_auth = {PREFECT_API_AUTH_STRING: prefect_auth} if creds else {}
+    if cert := plain_http_tls(cfg.api_url).get("PREFECT_API_SSL_CERT_FILE"):
+        client_auth[PREFECT_API_SSL_CERT_FILE] = cert  # this process's clients, as the worker's
     first = not (cfg.state / "prefect" / "ui").exists()
     prefect, mlflow = prefect_service(cfg), mlflow_service(cfg)
     services = [prefect, mlflow]
