@@ -132,11 +132,18 @@ def _mlflow_credentials_restored():
 def prefect_api() -> str:
     """One temporary Prefect server for the session (its start costs 15-25 s); its API
     URL, for the subprocesses (`quantloop run`) that should record to it too."""
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_URL, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
+    from quantloop.tasks.runtime.prefect_settings import plain_http_tls
+
     with prefect_test_harness(server_startup_timeout=SERVER_START_S):
-        yield PREFECT_API_URL.value()
+        url = PREFECT_API_URL.value()
+        # its clients (in-process flows make several a run) load one certificate, as a
+        # command's do (tasks/runtime/prefect_settings.py), not certifi's 117 each
+        cert = plain_http_tls(url).get("PREFECT_API_SSL_CERT_FILE")
+        with temporary_settings({PREFECT_API_SSL_CERT_FILE: cert} if cert else {}):
+            yield url
 
 
 # The session's MLflow server is locked (basic auth), as infra/ and `quantloop serve`
