@@ -222,8 +222,10 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
     own_trials = params.trial_ids()
     if sweeping:
         tags[TRIALS_TAG] = runs.trials_tag(own_trials)
-    trials = runs.research_trials(client, experiment, data_digest, tags[TEST_WINDOWS_TAG],
-                                  own_trials)  # fmt: skip
+    trials, repeat_of = runs.trials_on(client, experiment, data_digest, tags[TEST_WINDOWS_TAG],
+                                       own_trials, params_hash=tags["params_hash"])  # fmt: skip
+    if repeat_of:  # later runs need not read this one to count its trials
+        tags[runs.REPEAT_TAG] = repeat_of
     with tracking.run(client, experiment, "research", tags=tags) as parent:
         parent.params(
             {

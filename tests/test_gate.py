@@ -297,3 +297,37 @@ def test_research_trials_count_other_configurations_on_the_same_held_out_data(ml
     client.set_terminated(run.info.run_id)
     assert research_trials(client, experiment, "pin", "w", ["mine"]) == 5  # a, b, s1, s2, mine
     assert research_trials(client, experiment, "pin", "w", ["s1", "s3"]) == 5  # a, b, s1-s3
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_rerun_names_its_configurations_first_run_and_deleted_runs_still_count(mlflow_uri):
+    """trials_on gives the count and the run a re-run repeats (its REPEAT_TAG); runs so
+    tagged are not read again, which changes no count; a deleted run was still a trial."""
+    from mlflow.tracking import MlflowClient
+
+    from quantloop.tasks.records.runs import REPEAT_TAG, TEST_WINDOWS_TAG, trials_on
+
+    client = MlflowClient(mlflow_uri)
+    experiment = client.create_experiment(f"repeats-{uuid.uuid4().hex[:8]}")
+
+    def research(params: str, **extra: str) -> str:
+        run = client.create_run(experiment, tags={
+            "quantloop.stage": "research", "params_hash": params, "data_digest": "pin",
+            TEST_WINDOWS_TAG: "w", **extra})  # fmt: skip
+        client.set_terminated(run.info.run_id)
+        return run.info.run_id
+
+    assert trials_on(client, experiment, "pin", "w", "a", params_hash="a") == (1, None)
+    first_a = research("a")
+    assert trials_on(client, experiment, "pin", "w", "a", params_hash="a") == (1, first_a)
+    for _ in range(3):  # re-runs, tagged as flows/research.py tags them
+        count, repeat_of = trials_on(client, experiment, "pin", "w", "a", params_hash="a")
+        research("a", **{REPEAT_TAG: repeat_of})
+        assert (count, repeat_of) == (1, first_a)
+    b = research("b")
+    assert trials_on(client, experiment, "pin", "w", "c", params_hash="c") == (3, None)
+    client.delete_run(b)  # out of view, but b was tried on these data
+    assert trials_on(client, experiment, "pin", "w", "c", params_hash="c") == (3, None)
+    client.delete_run(first_a)  # its re-runs are not read; a still counts through it
+    assert trials_on(client, experiment, "pin", "w", "a", params_hash="a") == (2, first_a)

@@ -175,6 +175,12 @@ def test_research_records_everything_and_reruns_from_cache(
     assert (again.registered_model, again.model_version) == (first.registered_model,
                                                              first.model_version)  # fmt: skip
     assert again.markout_bps == first.markout_bps
+    # the re-run names the first run of its configuration, so later runs count its trial
+    # without reading it (tasks/records/runs.trials_on); the first names none
+    from quantloop.tasks.records.runs import REPEAT_TAG
+
+    assert client.get_run(again.mlflow_run_id).data.tags[REPEAT_TAG] == first.mlflow_run_id
+    assert REPEAT_TAG not in tags
     # Whether a run will train is known before its features stage: the train stage's
     # keys from the planned feature nodes (a GPU run imports Inductor ahead only then)
     import dataclasses
