@@ -94,17 +94,24 @@ def count_trials(client: MlflowClient, experiment_id: str, data_digest: str, win
     registered model held out `window` (tasks/research/window.held_out_id of the fold its lineage
     record names: the test dates and the intraday cut, which with the pin are the
     held-out data). Runs with the same parameters (tag `params_hash`) made the same model
-    and count once. At least 1: the candidate is a trial."""
+    and count once: a run whose configurations are counted already is not read again
+    (its lineage is two calls and a file), nor is a re-run tagged REPEAT_TAG at all. Deleted
+    runs count, as in trials_on. At least 1: the candidate is a trial."""
+    from mlflow.entities import ViewType
+
     from quantloop.tasks.research.window import held_out_id, lineage_fold
 
-    where = f"tags.data_digest = '{data_digest}' and attributes.status = 'FINISHED'"
+    where = (f"tags.data_digest = '{data_digest}' and attributes.status = 'FINISHED' "
+             f"and tags.`{REPEAT_TAG}` IS NULL")  # fmt: skip
     seen: set[str] = set()
     token = None
     while True:
         page = client.search_runs([experiment_id], filter_string=where, max_results=1000,
-                                  page_token=token)  # fmt: skip
+                                  page_token=token, run_view_type=ViewType.ALL)  # fmt: skip
         for run in page:
             if run.data.tags.get("quantloop.stage") not in RESEARCH_STAGES:
+                continue
+            if trial_ids(run) <= seen:
                 continue
             try:
                 held = held_out_id(lineage_fold(model_lineage(client, run)))
