@@ -5,7 +5,8 @@ default, the peer it replaces), in the same run:
 1. one PrefectClient made (its TLS context built in __init__), CPU milliseconds, the
    median of `--clients` each, alternating;
 2. a cached `quantloop run` of a tiny synthetic workspace (every node a hit, served by
-   the warm process), process start to exit, `--repeats` each, alternating; the peer's
+   the warm process), process start to exit, `--repeats` pairs, each side first in half
+   of them; the peer's
    runs set PREFECT_API_SSL_CERT_FILE to certifi's file, which the command leaves as the
    user's choice. Each side has its own warm process (they are keyed by the environment).
 
@@ -110,9 +111,12 @@ def main() -> None:
     for env in envs.values():
         run_s(home, params, env)  # each side's warm process started and its first run
     runs: dict[str, list[float]] = {s: [] for s in sides}
+    order = list(envs)
     for r in range(args.repeats):
-        for side, env in envs.items():
-            runs[side].append(run_s(home, params, env))
+        # each side first in half the pairs: a run that gains (or loses) from following
+        # the other would otherwise show as a difference between the sides
+        for side in order if r % 2 == 0 else order[::-1]:
+            runs[side].append(run_s(home, params, envs[side]))
             print(f"{side} {r}: {runs[side][-1]:.2f} s", flush=True)
     # the resident API now; the warm processes end on their idle timeout
     subprocess.run([QUANTLOOP, "api", "stop", "--home", str(home)], env=base,
@@ -149,7 +153,8 @@ def main() -> None:
         "# Prefect's clients of a plain-HTTP API: one CA certificate against certifi's",
         stamp_line(result["stamp"]),
         markdown_table(["measure", "one certificate", "certifi (peer)", "peer / this"], rows),
-        f"Paired saving of a cached run (peer less this, {ps['pairs']} alternating pairs): "
+        f"Paired saving of a cached run (peer less this, {ps['pairs']} pairs, each side "
+        "first in half of them): "
         f"median {ps['median']:.3f} s (mean {ps['mean']:.3f}); this side faster in "
         f"{ps['faster_in']} of {ps['pairs']} (two-sided sign test p = {ps['sign_test_p']:.3f})."
         " The run: a tiny synthetic workspace (one "
