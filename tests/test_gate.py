@@ -331,3 +331,66 @@ def test_a_rerun_names_its_configurations_first_run_and_deleted_runs_still_count
     assert trials_on(client, experiment, "pin", "w", "c", params_hash="c") == (3, None)
     client.delete_run(first_a)  # its re-runs are not read; a still counts through it
     assert trials_on(client, experiment, "pin", "w", "a", params_hash="a") == (2, first_a)
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_the_gates_count_reads_each_configurations_model_once(mlflow_uri, tmp_path):
+    """count_trials (the promotion gate's trials) counts the configurations whose models
+    held out the candidate's window, and reads a model's lineage (a model version and a
+    file) once per configuration: a second run of one already counted, untagged as runs
+    before REPEAT_TAG were, is not read again, nor is a tagged re-run; a model that held
+    out another window is not a trial on this one."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from quantloop.tasks.records.runs import REPEAT_TAG, count_trials
+    from quantloop.tasks.records.tracking import STORE_TAG
+
+    client = MlflowClient(mlflow_uri)
+    experiment = client.create_experiment(f"gate-trials-{uuid.uuid4().hex[:8]}")
+    model = f"gate-trials-{uuid.uuid4().hex[:8]}"
+    client.create_registered_model(model)
+    store = tmp_path / "store"
+    (store / "lineage" / "models").mkdir(parents=True)
+    held, other = ["2026-03-04"], ["2026-03-05"]
+
+    def research(params: str, test: list[str], **extra: str) -> str:
+        run = client.create_run(experiment, tags={
+            "quantloop.stage": "research", "params_hash": params, "data_digest": "pin",
+            STORE_TAG: str(store), **extra})  # fmt: skip
+        key = uuid.uuid4().hex
+        (store / "lineage" / "models" / f"{key}.json").write_text(json.dumps({
+            "fold": 0, "window": {"train": ["2026-03-02", "2026-03-03"], "test": test,
+                                  "embargo": [], "holdout_fraction": None}}))  # fmt: skip
+        version = client.create_model_version(
+            model, f"runs:/{run.info.run_id}/model", run.info.run_id, tags={"model_key": key}
+        )
+        client.set_tag(run.info.run_id, "registered_model", model)
+        client.set_tag(run.info.run_id, "model_version", version.version)
+        client.set_terminated(run.info.run_id)
+        return run.info.run_id
+
+    first_a = research("a", held)
+    research("a", held)  # a re-run from before REPEAT_TAG: the same configuration
+    research("a", held, **{REPEAT_TAG: first_a})
+    research("b", held)
+    research("c", other)
+    research("d", held)
+    research("f", other)
+    client.set_terminated(research("e", held), status="FAILED")
+
+    reads = []
+    get_model_version = client.get_model_version
+
+    def counted(name: str, version: str):
+        reads.append(version)
+        return get_model_version(name, version)
+
+    client.get_model_version = counted
+    window = held_out_id(lineage_fold({"window": {"test": held, "holdout_fraction": None}}))
+    assert count_trials(client, experiment, "pin", window) == 3  # a, b and d
+    assert len(reads) == 5  # a once, b, d, and c and f (their window: no trials here)
+    other_window = held_out_id(lineage_fold({"window": {"test": other, "holdout_fraction": None}}))
+    assert count_trials(client, experiment, "pin", other_window) == 2  # c and f
