@@ -103,13 +103,19 @@ def test_a_settings_data_is_what_prepare_gives_it():
 
 
 def test_settings_rank_on_the_paired_difference_and_a_setting_without_trades_is_last():
-    def row(s, mean):
-        paired = {"mean_bps": mean, "se_bps": 0.1, "p_adjusted": 0.5, "significant": False}
+    def row(s, mean, se=0.1):
+        paired = {"mean_bps": mean, "se_bps": se, "p_adjusted": 0.5, "significant": False}
         return {"setting": s, "paired": {"5s": paired}}
 
     ranked = rank([row(0, 0.1), row(1, float("nan")), row(2, 0.3), row(3, 0.1)], "5s")
     assert [r["setting"] for r in ranked] == [2, 0, 3, 1]  # ties keep the sweep's order
     assert [r["rank"] for r in ranked] == [1, 2, 3, 4] and ranked[0]["diff_bps"] == 0.3
+    # Too few trades to test the difference (no SE, as paired_difference leaves it): after
+    # every tested setting however high its mean, before a setting with no trade at all.
+    nan = float("nan")
+    ranked = rank([row(0, 0.1), row(1, 0.9, se=nan), row(2, nan, se=nan), row(3, 0.2),
+                   row(4, 0.5, se=None)], "5s")  # fmt: skip
+    assert [r["setting"] for r in ranked] == [3, 0, 1, 4, 2]
 
 
 def test_a_stack_takes_the_switches_of_the_plan_it_has_and_their_requirements():
@@ -124,8 +130,9 @@ def test_a_stack_takes_the_switches_of_the_plan_it_has_and_their_requirements():
                      "fused_kernel", "flat_grads", "cudagraph", "combo_kernels")  # fmt: skip
     assert stack.warmup_steps >= 4  # 3 eager steps before the capture
     # a switch whose requirement the plan lacks is left out with what needs it
-    stack, rungs = stack_setup(Plan(requested="auto", rungs=("flex_attention", "flex_blocks",
-                                                              "flat_grads"), proof=None))
+    stack, rungs = stack_setup(
+        Plan(requested="auto", rungs=("flex_attention", "flex_blocks", "flat_grads"), proof=None)
+    )
     assert rungs == ("stacked",) and not stack.flex_attention and not stack.flat_grads
     assert stack_setup(Plan(requested="none", rungs=(), proof=None))[1] == ("stacked",)
 

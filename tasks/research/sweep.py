@@ -10,7 +10,8 @@ descriptions sit on its fields (a module whose source keys outputs keeps its wor
 tasks/research/form.py instead).
 
 Ranking: by the paired difference of the setting's model and the baseline (the same
-held-out days, tasks/research/uncertainty.py) at `rank_horizon`, highest first. Every
+held-out days, tasks/research/uncertainty.py) at `rank_horizon`, highest first, the settings
+with too few trades to test that difference after the others (`rank`). Every
 setting is a trial on the same held-out data: the p-values shown are adjusted over the
 horizons (Holm) and then over the trials (Sidak), the sweep's settings counted among them.
 """
@@ -215,16 +216,24 @@ def label(cfg: TrainConfig, fields: Sequence[str]) -> str:
 
 def rank(rows: Sequence[dict], horizon: str) -> list[dict]:
     """The settings' rows (each with `paired`: its paired_difference by horizon) best
-    first: the highest paired mean at `horizon`; a setting with no trade there last.
-    Each row gets its `rank` (1 = best) and the `horizon` figures lifted out."""
+    first: the highest paired mean at `horizon` among the settings whose difference was
+    tested (it has a standard error), then those with a mean but too few trades to test
+    it, then those with no trade there. Each row gets its `rank` (1 = best) and the
+    `horizon` figures lifted out.
+
+    An untested mean is no evidence: on noise (bench/selection.py) the setting with the
+    highest mean was often one with a few dozen trades and no standard error, which would
+    have been the registered model and the summary's first line, over settings whose
+    difference could be judged."""
 
     def at(row: dict) -> dict:
         return row["paired"].get(horizon) or {}
 
     def key(item: tuple[int, dict]) -> tuple:
-        mean = at(item[1]).get("mean_bps", math.nan)
+        mean, se = at(item[1]).get("mean_bps"), at(item[1]).get("se_bps")
         mean = math.nan if mean is None else mean
-        return (math.isnan(mean), -mean if not math.isnan(mean) else 0.0, item[0])
+        untested = se is None or not se > 0  # NaN: insufficient data
+        return (math.isnan(mean), untested, -mean if not math.isnan(mean) else 0.0, item[0])
 
     ranked = []
     for place, (_, row) in enumerate(sorted(enumerate(rows), key=key), 1):
