@@ -118,6 +118,22 @@ def test_settings_rank_on_the_paired_difference_and_a_setting_without_trades_is_
     assert [r["setting"] for r in ranked] == [3, 0, 1, 4, 2]
 
 
+def test_a_sweeps_notes_say_its_best_was_chosen_on_the_data_it_reports():
+    """The best of K settings carries the winner's curse: the notes under the table say so,
+    with K and the settings ranked last for want of an SE; a run without a sweep says
+    nothing of it."""
+    from quantloop.tasks.records.summary import validity_notes
+    from tests.test_cli import summary
+
+    rows = [{"rank": i + 1, "setting": i, "label": f"lr={lr}", "diff_bps": d, "diff_se_bps": se,
+             "trades": 50} for i, (lr, d, se) in enumerate([(1e-3, 0.3, 0.1), (3e-3, 0.1, 0.1),
+                                                           (1e-2, 0.9, float("nan"))])]  # fmt: skip
+    [note] = [n for n in validity_notes(summary(sweep=rows)) if "settings" in n]
+    assert "best of 3 settings" in note and "largest of 3 estimates" in note
+    assert "1 setting(s) with too few trades" in note and "selection.md" in note
+    assert not [n for n in validity_notes(summary()) if "best of" in n]
+
+
 def test_a_stack_takes_the_switches_of_the_plan_it_has_and_their_requirements():
     from quantloop.flows.sweep import stack_setup
     from quantloop.profiling.proof import Plan

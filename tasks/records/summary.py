@@ -310,6 +310,8 @@ def validity_notes(summary: ResearchSummary) -> list[str]:
             f"from day to day (from {MIN_DAYS} days on, day clusters are in the SE; "
             "bench/results/validity.md: with two days the baseline's 1 s SE was 1.9x too small)"
         )
+    if len(summary.sweep) > 1:
+        notes.append(sweep_note(summary.sweep))
     for name, p in summary.pnl.items():
         if p.get("days"):
             notes.append(
@@ -317,6 +319,24 @@ def validity_notes(summary: ResearchSummary) -> list[str]:
                 f" bps over {len(p['days'])} day(s)"
             )
     return notes
+
+
+def sweep_note(rows: list[dict]) -> str:
+    """What the best of a sweep's settings is worth: it was chosen on the same held-out
+    days its figures come from, so its difference is the largest of K estimates and
+    overstates the setting's edge (the winner's curse; Bailey and Lopez de Prado, "The
+    Deflated Sharpe Ratio", 2014). The p-value counts the K settings (Sidak), which keeps
+    the '*' calibrated (bench/results/selection.md); the point estimate is not shrunk."""
+    k = len(rows)
+    untested = sum(1 for r in rows if not _nan(r.get("diff_se_bps")) > 0)
+    return (
+        f"the best of {k} settings was chosen on these same held-out days: its diff is the "
+        f"largest of {k} estimates and overstates its edge (on noise the best of 16 averaged "
+        "+1.0 to +1.3 SE: bench/results/selection.md); its p adj. counts the settings as "
+        "trials"
+        + (f"; {untested} setting(s) with too few trades for an SE ranked after the tested "
+           "ones" if untested else "")
+    )  # fmt: skip
 
 
 def site_table(summary: ResearchSummary) -> TextTable:
