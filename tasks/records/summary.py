@@ -300,8 +300,8 @@ def validity_notes(summary: ResearchSummary) -> list[str]:
             f"trade counts differ out of sample ({summary.trades:,} vs "
             f"{summary.baseline_trades:,}); at an equal count"
             + (f" the {h} difference is {_with_se(eq['mean_bps'], eq['se_bps'])} bps"
-               if eq else "") + " (summary: paired_equal_count_bps; descriptive: which trades "
-            "it keeps is chosen on the test days, and that SE's calibration is not measured)"
+               if eq else "") + " (summary: paired_equal_count_bps; which trades it keeps is "
+            "chosen on the test days; on noise its SE held: bench/results/equal-count.md)"
         )  # fmt: skip
     days = max((len(p.get("days", {})) for p in summary.pnl.values()), default=0)
     if 0 < days < MIN_DAYS:
