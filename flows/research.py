@@ -439,13 +439,19 @@ def research_loop(params: ResearchParams, feedback: RunFeedback) -> ResearchSumm
 
 def sweep_metrics(swept) -> dict[str, float]:
     """The research run's figures of its sweep: how many settings and models, how many
-    were found by key, and each setting's rank and paired difference at the horizon."""
+    were found by key, each setting's rank and paired difference at the horizon, and the
+    held-out test of the pick made on the earlier folds."""
     out = {"sweep.settings": len(swept.settings), "sweep.models": swept.models,
            "sweep.models_cached": swept.models_cached, "sweep.chosen": swept.chosen}  # fmt: skip
     for row in swept.settings:
         out[f"sweep.s{row['setting']}.rank"] = row["rank"]
         if row["diff_bps"] is not None and row["diff_bps"] == row["diff_bps"]:
             out[f"sweep.s{row['setting']}.diff_bps.{swept.horizon}"] = row["diff_bps"]
+    if (h := swept.holdout) is not None:  # the pick made on earlier folds, on the last one
+        out["sweep.holdout.setting"] = h["setting"]
+        for name in ("diff_bps", "diff_se_bps", "p_adjusted"):
+            if h[name] is not None and h[name] == h[name]:
+                out[f"sweep.holdout.{name}.{swept.horizon}"] = h[name]
     for i, stack in enumerate(swept.stacks):
         out[f"sweep.stack{i}.samples_per_s"] = stack["samples_per_s"]
         out[f"sweep.stack{i}.k"] = stack["k"]
@@ -456,7 +462,8 @@ def sweep_fields(swept) -> dict:
     """ResearchSummary's sweep fields."""
     return {"sweep": swept.settings, "sweep_horizon": swept.horizon,
             "sweep_models": swept.models, "sweep_models_cached": swept.models_cached,
-            "sweep_stacks": swept.stacks, "sweep_check": swept.check}  # fmt: skip
+            "sweep_stacks": swept.stacks, "sweep_check": swept.check,
+            "sweep_holdout": swept.holdout}  # fmt: skip
 
 
 def site_counts(ws, feats, trained, sim, swept=None) -> dict[str, dict]:

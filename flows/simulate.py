@@ -61,6 +61,11 @@ class SimSummary(BaseModel):
     paired_bps: dict[str, dict]
     # the same with both signals at one out-of-sample trade count (equal_counts)
     paired_equal_count_bps: dict[str, dict] = {}
+    # with two folds or more: the same on the folds before the last (pooled) and on the
+    # last alone, Holm over the horizons only (simulation.last_fold_split): a sweep picks
+    # a setting on the first and tests the pick on the second
+    paired_earlier_folds_bps: dict[str, dict] = {}
+    paired_last_fold_bps: dict[str, dict] = {}
     pnl: dict = {}  # {"model"|"baseline": pnl(): daily P&L net of fees, total, its SE}
     trades: int
     baseline_trades: int
@@ -181,6 +186,8 @@ def simulate(
         baseline_markout_se_bps=base_summary["total"]["se_bps"],
         paired_bps=figures["paired"],
         paired_equal_count_bps=figures["paired_equal_count"],
+        paired_earlier_folds_bps=figures.get("split", {}).get("earlier", {}),
+        paired_last_fold_bps=figures.get("split", {}).get("last", {}),
         pnl=figures["pnl"],
         trades=model_summary["total"]["count"],
         baseline_trades=base_summary["total"]["count"],
@@ -379,6 +386,10 @@ def statistics(merged: dict, config: SimConfig, trials: int, replayed: list) -> 
     paired = paired_difference(merged["model"], merged["baseline"], keys, trials=trials)
     paired_equal = paired_difference(*equal_counts(merged["model"], merged["baseline"]), keys,
                                      trials=trials)  # fmt: skip
+    split = {}
+    if len(replayed) >= 2:
+        earlier = pooled([sim.value for _, _, sim, _ in replayed[:-1]])
+        split = simulation.last_fold_split(earlier, replayed[-1][2].value, keys)
     part.switch("statistics: P&L")
     day_pnl = {name: pnl(merged[name], config) for name in ("model", "baseline")}
     part.close()
@@ -387,6 +398,7 @@ def statistics(merged: dict, config: SimConfig, trials: int, replayed: list) -> 
         "baseline": base_summary,
         "paired": paired,
         "paired_equal_count": paired_equal,
+        "split": split,
         "pnl": day_pnl,
         "folds": folds,
         "markout_curve_png": base64.b64encode(png).decode(),

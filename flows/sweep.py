@@ -75,7 +75,7 @@ from quantloop.tasks.research.stage import (
     read_outputs,
     training_part,
 )
-from quantloop.tasks.research.sweep import Sweep, label, rank, varied
+from quantloop.tasks.research.sweep import Sweep, held_out, label, rank, varied
 from quantloop.tasks.research.train_config import TrainConfig
 from quantloop.tasks.research.training import (
     TrainingData,
@@ -114,6 +114,9 @@ class SweepSummary(BaseModel):
     train_s: float | None = None  # the training loops' seconds in this run (None: all cached)
     check: dict | None = None  # the registered model against its solo training
     trials: int = 1
+    # the pick made on the folds before the last, tested on the last (tasks/research/sweep.py
+    # held_out; None with one fold)
+    holdout: dict | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -381,11 +384,21 @@ def _sweep(stage, config, sweep, simulation, parent_run_id, trials, stack) -> Sw
     for row in ranked:
         row.pop("paired")
     chosen = ranked[0]["setting"]
-    best = [n for n in nodes if n.setting == chosen]
     progress.note("sweep", f"best of {len(configs)} settings on the {sweep.rank_horizon} paired "
                   f"mark-out: {ranked[0]['label']} ({fmt_bps(ranked[0]['diff_bps'])} bps against "
                   f"the baseline, p adjusted for {trials} trials "
                   f"{fmt_p(ranked[0]['p_adjusted'])})")  # fmt: skip
+    # the same choice made on the folds before the last, tested on the last (none with one)
+    holdout = held_out([sim.paired_earlier_folds_bps for sim in sims],
+                       [sim.paired_last_fold_bps for sim in sims],
+                       [label(cfg, fields) for cfg in configs], sweep.rank_horizon, trials,
+                       len(configs))  # fmt: skip
+    if holdout is not None:
+        holdout["same_as_best"] = holdout["setting"] == chosen
+        progress.note("sweep", f"chosen on the folds before the last: {holdout['label']}; on "
+                      f"the last fold {fmt_bps(holdout['diff_bps'])} bps against the baseline, "
+                      f"p adjusted {fmt_p(holdout['p_adjusted'])}")  # fmt: skip
+    best = [n for n in nodes if n.setting == chosen]
 
     check = None
     if sweep.stacked and sweep.check_alone:
@@ -429,6 +442,7 @@ def _sweep(stage, config, sweep, simulation, parent_run_id, trials, stack) -> Sw
         train_s=sum(train_s) if train_s else None,
         check=check,
         trials=trials,
+        holdout=holdout,
     )
 
 

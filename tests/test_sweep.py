@@ -118,6 +118,28 @@ def test_settings_rank_on_the_paired_difference_and_a_setting_without_trades_is_
     assert [r["setting"] for r in ranked] == [3, 0, 1, 4, 2]
 
 
+def test_the_held_out_pick_is_chosen_on_earlier_folds_and_judged_on_the_last_alone():
+    """held_out ranks the settings on the folds before the last only (an untested setting
+    after the tested ones, as rank does) and reports the pick's last-fold figures, its
+    p-value adjusted for this pick and the other configurations on these data, not for
+    the K settings; with one fold there is nothing to hold out."""
+    from quantloop.tasks.research.sweep import held_out
+    from quantloop.tasks.research.uncertainty import trials_adjusted
+
+    def fig(mean, se=0.1, p_holm=0.01):
+        return {"5s": {"mean_bps": mean, "se_bps": se, "p_holm": p_holm}}
+
+    nan = float("nan")
+    earlier = [fig(0.2), fig(0.9, se=nan), fig(0.4)]  # setting 1: best mean, no SE
+    last = [fig(5.0), fig(5.0), fig(-0.3, se=0.2, p_holm=0.04)]
+    h = held_out(earlier, last, ["a", "b", "c"], "5s", trials=5, settings=3)
+    assert (h["setting"], h["label"]) == (2, "c")  # chosen where it was tested, not on 'last'
+    assert (h["earlier_diff_bps"], h["diff_bps"], h["diff_se_bps"]) == (0.4, -0.3, 0.2)
+    assert h["trials"] == 3  # 5 on these data, less the sweep's 3 settings, plus this pick
+    assert h["p_adjusted"] == pytest.approx(trials_adjusted(0.04, 3)) and h["significant"] is False
+    assert held_out([{}, {}], [{}, {}], ["a", "b"], "5s", trials=2, settings=2) is None
+
+
 def test_a_sweeps_notes_say_its_best_was_chosen_on_the_data_it_reports():
     """The best of K settings carries the winner's curse: the notes under the table say so,
     with K and the settings ranked last for want of an SE; a run without a sweep says
@@ -238,6 +260,7 @@ def test_a_sweep_trains_every_setting_and_fold_stacked_ranks_them_and_promote_se
     from quantloop.profiling.config import FP32
     from quantloop.profiling.equivalence import max_rel_dev, rel_l2
     from quantloop.tasks.engine import storage
+    from quantloop.tasks.records.summary import validity_notes
     from quantloop.tasks.research.stage import feature_outputs, plan_folds, training_part
     from quantloop.tasks.research.training import load_model, predict
     from quantloop.tasks.runtime.workspace import Selection
@@ -261,6 +284,15 @@ def test_a_sweep_trains_every_setting_and_fold_stacked_ranks_them_and_promote_se
     # each setting's p-value is adjusted for the three trials (Sidak after Holm)
     holm = first.paired_bps["5s"]["p_holm"]
     assert best["p_adjusted"] == pytest.approx(1 - (1 - holm) ** 3)
+
+    # The pick made on the first fold alone, judged on the second, which it did not see.
+    held = first.sweep_holdout
+    assert held["horizon"] == "5s" and held["trials"] == 1  # three settings, all this sweep's
+    assert held["label"] == next(r["label"] for r in first.sweep
+                                 if r["setting"] == held["setting"])  # fmt: skip
+    assert held["same_as_best"] == (held["setting"] == best["setting"])
+    assert any(n.startswith("held out: chosen on the folds before the last")
+               for n in validity_notes(first))  # fmt: skip
 
     # Six (setting, fold) models, each its own key, all trained in one stack of six.
     by_setting = {r["setting"]: r for r in first.sweep}
@@ -327,6 +359,7 @@ def test_a_sweep_trains_every_setting_and_fold_stacked_ranks_them_and_promote_se
         assert "markout_bps.5s" in r.data.metrics
     parent = client.get_run(first.mlflow_run_id)
     assert parent.data.tags["sweep_setting"] == str(best["setting"])
+    assert parent.data.metrics["sweep.holdout.setting"] == held["setting"]
     assert parent.data.metrics["sweep.models"] == 6 and parent.data.params["sweep.count"] == "3"
 
     # The registered version is the best setting's last-fold model, tagged as such.

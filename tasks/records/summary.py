@@ -169,6 +169,14 @@ class ResearchSummary(BaseModel):
         description="The registered model (trained stacked) against the same model trained "
         "alone: equivalent, loss_max_rel_dev, pred_rel_l2, tolerance.",
     )
+    sweep_holdout: dict | None = Field(
+        default=None,
+        description="With two folds or more: the sweep's choice made on the folds before the "
+        "last and tested on the last fold, which that choice did not see: setting, label, "
+        "horizon, earlier_diff_bps and earlier_diff_se_bps (where it was chosen), diff_bps, "
+        "diff_se_bps, p_adjusted (Holm over horizons, Sidak over `trials`: the other "
+        "configurations tried on these data and this pick), significant.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +320,8 @@ def validity_notes(summary: ResearchSummary) -> list[str]:
         )
     if len(summary.sweep) > 1:
         notes.append(sweep_note(summary.sweep))
+    if len(summary.sweep) > 1 and summary.sweep_holdout:
+        notes.append(holdout_note(summary.sweep_holdout))
     for name, p in summary.pnl.items():
         if p.get("days"):
             notes.append(
@@ -337,6 +347,21 @@ def sweep_note(rows: list[dict]) -> str:
         + (f"; {untested} setting(s) with too few trades for an SE ranked after the tested "
            "ones" if untested else "")
     )  # fmt: skip
+
+
+def holdout_note(h: dict) -> str:
+    """The sweep's pick tested where it was not made (tasks/research/sweep.py held_out)."""
+    same = "the pooled best too" if h.get("same_as_best") else "not the pooled best"
+    p = _nan(h.get("p_adjusted"))
+    p = "n/a" if math.isnan(p) else f"{p:.3g}"
+    return (
+        f"held out: chosen on the folds before the last alone, the sweep picks {h['label']} "
+        f"({same}); on the last fold, which that choice did not see, its {h['horizon']} diff "
+        f"is {_with_se(h.get('diff_bps'), h.get('diff_se_bps'))} bps"
+        + ("*" if h.get("significant") else "")
+        + f" (p adj. {p}, {h.get('trials', 1)} trial(s): this pick and "
+        "the other configurations tried on these data; summary: sweep_holdout)"
+    )
 
 
 def site_table(summary: ResearchSummary) -> TextTable:

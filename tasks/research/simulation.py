@@ -412,6 +412,22 @@ def paired_difference(
     return out
 
 
+def last_fold_split(
+    earlier: Mapping[str, Mapping[str, pa.Table]],
+    last: Mapping[str, Mapping[str, pa.Table]],
+    keys: list[str],
+) -> dict[str, dict[str, dict]]:
+    """The paired difference (model - baseline) on the folds before the last, pooled, and
+    on the last fold alone, each `{"model": {product: table}, "baseline": ...}`: what a
+    choice made on the earlier folds and tested on the last one needs (a sweep's held-out
+    test of its pick, flows/sweep.py). Unadjusted for trials (Holm over the horizons
+    only): the caller knows how many choices the test stands for."""
+    return {
+        "earlier": paired_difference(earlier["model"], earlier["baseline"], keys),
+        "last": paired_difference(last["model"], last["baseline"], keys),
+    }
+
+
 def equal_counts(
     model: Mapping[str, pa.Table], baseline: Mapping[str, pa.Table]
 ) -> tuple[dict[str, pa.Table], dict[str, pa.Table]]:

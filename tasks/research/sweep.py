@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from quantloop.tasks.research import uncertainty
 from quantloop.tasks.research.form import TRAIN
 from quantloop.tasks.research.train_config import TrainConfig
 
@@ -243,3 +244,36 @@ def rank(rows: Sequence[dict], horizon: str) -> list[dict]:
                        "p_adjusted": d.get("p_adjusted"),
                        "significant": bool(d.get("significant", False))})  # fmt: skip
     return ranked
+
+
+def held_out(
+    earlier: Sequence[dict],
+    last: Sequence[dict],
+    labels: Sequence[str],
+    horizon: str,
+    trials: int,
+    settings: int,
+    alpha: float = 0.05,
+) -> dict | None:
+    """The sweep's pick tested on data the pick did not see: the best setting by `rank` on
+    the folds before the last (`earlier[s]`: setting s's paired_difference there, by
+    horizon), and that one setting's paired difference on the last fold (`last[s]`).
+
+    The pooled ranking chooses and reports on the same days, so its best is the largest of
+    K draws (bench/results/selection.md); this test of one pre-chosen setting is not. Its
+    p-value counts the other configurations tried on these data (`trials` less the sweep's
+    `settings`, plus this pick: Sidak after Holm over the horizons), not the K settings,
+    which were chosen among on other days. None when a setting has no such split (a
+    single fold)."""
+    if not earlier or any(not e for e in earlier) or any(not x for x in last):
+        return None
+    rows = [{"setting": s, "paired": e} for s, e in enumerate(earlier)]
+    pick = rank(rows, horizon)[0]
+    s = pick["setting"]
+    at = last[s].get(horizon) or {}
+    tries = max(trials - settings + 1, 1)
+    p = uncertainty.trials_adjusted(at.get("p_holm", math.nan), tries)
+    return {"setting": s, "label": labels[s], "horizon": horizon,
+            "earlier_diff_bps": pick["diff_bps"], "earlier_diff_se_bps": pick["diff_se_bps"],
+            "diff_bps": at.get("mean_bps"), "diff_se_bps": at.get("se_bps"),
+            "p_adjusted": p, "trials": tries, "significant": bool(p < alpha)}  # fmt: skip
