@@ -447,7 +447,7 @@ def sweep_metrics(swept) -> dict[str, float]:
         out[f"sweep.s{row['setting']}.rank"] = row["rank"]
         if row["diff_bps"] is not None and row["diff_bps"] == row["diff_bps"]:
             out[f"sweep.s{row['setting']}.diff_bps.{swept.horizon}"] = row["diff_bps"]
-    if (h := swept.holdout) is not None:  # the pick made on earlier folds, on the last one
+    if (h := swept.holdout) and h["setting"] is not None:  # the earlier folds' pick, on the last
         out["sweep.holdout.setting"] = h["setting"]
         for name in ("diff_bps", "diff_se_bps", "p_adjusted"):
             if h[name] is not None and h[name] == h[name]:

@@ -393,7 +393,9 @@ def _sweep(stage, config, sweep, simulation, parent_run_id, trials, stack) -> Sw
                        [sim.paired_last_fold_bps for sim in sims],
                        [label(cfg, fields) for cfg in configs], sweep.rank_horizon, trials,
                        len(configs))  # fmt: skip
-    if holdout is not None:
+    if holdout is not None and holdout["setting"] is None:
+        progress.note("sweep", f"no held-out test of the pick: {holdout['why']}")
+    elif holdout is not None:
         holdout["same_as_best"] = holdout["setting"] == chosen
         progress.note("sweep", f"chosen on the folds before the last: {holdout['label']}; on "
                       f"the last fold {fmt_bps(holdout['diff_bps'])} bps against the baseline, "

@@ -138,6 +138,10 @@ def test_the_held_out_pick_is_chosen_on_earlier_folds_and_judged_on_the_last_alo
     assert h["trials"] == 3  # 5 on these data, less the sweep's 3 settings, plus this pick
     assert h["p_adjusted"] == pytest.approx(trials_adjusted(0.04, 3)) and h["significant"] is False
     assert held_out([{}, {}], [{}, {}], ["a", "b"], "5s", trials=2, settings=2) is None
+    # no setting could be judged on the earlier folds: no pick to test
+    none = held_out([fig(0.2, se=nan), fig(0.1, se=None)], last[:2], ["a", "b"], "5s",
+                    trials=2, settings=2)  # fmt: skip
+    assert none["setting"] is None and "standard error at 5s" in none["why"]
 
 
 def test_a_sweeps_notes_say_its_best_was_chosen_on_the_data_it_reports():
@@ -231,8 +235,10 @@ def test_the_ladder_gate_takes_a_stacked_model_only_on_its_runs_check():
 # ---------------------------------------------------------------- the research run
 
 SWEEP_RUN = {
+    # 6,000 events a day: the first fold's test day has trades enough for a 5 s standard
+    # error, so the held-out pick is made (2,000: none could be judged there)
     "data": {"products": ["SYNA"], "n_dates": 3,
-             "synthetic": {"events_per_day": 2_000, "levels": 2}},
+             "synthetic": {"events_per_day": 6_000, "levels": 2}},
     "train": {"steps": 12, "batch_size": 32, "log_every": 4, "optimizations": "none"},
     "validation": {"folds": 2, "test_dates": 1},
     "sweep": {"lr": [1e-3, 3e-3, 1e-2]},
@@ -287,6 +293,7 @@ def test_a_sweep_trains_every_setting_and_fold_stacked_ranks_them_and_promote_se
 
     # The pick made on the first fold alone, judged on the second, which it did not see.
     held = first.sweep_holdout
+    assert held["setting"] is not None, held
     assert held["horizon"] == "5s" and held["trials"] == 1  # three settings, all this sweep's
     assert held["label"] == next(r["label"] for r in first.sweep
                                  if r["setting"] == held["setting"])  # fmt: skip

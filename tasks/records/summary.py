@@ -175,7 +175,8 @@ class ResearchSummary(BaseModel):
         "last and tested on the last fold, which that choice did not see: setting, label, "
         "horizon, earlier_diff_bps and earlier_diff_se_bps (where it was chosen), diff_bps, "
         "diff_se_bps, p_adjusted (Holm over horizons, Sidak over `trials`: the other "
-        "configurations tried on these data and this pick), significant.",
+        "configurations tried on these data and this pick), significant, same_as_best; "
+        "setting None with `why` when no setting could be judged on the earlier folds.",
     )
 
 
@@ -351,6 +352,8 @@ def sweep_note(rows: list[dict]) -> str:
 
 def holdout_note(h: dict) -> str:
     """The sweep's pick tested where it was not made (tasks/research/sweep.py held_out)."""
+    if h.get("setting") is None:
+        return f"held out: no test of the sweep's pick on the last fold: {h.get('why', '')}"
     same = "the pooled best too" if h.get("same_as_best") else "not the pooled best"
     p = _nan(h.get("p_adjusted"))
     p = "n/a" if math.isnan(p) else f"{p:.3g}"

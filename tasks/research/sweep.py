@@ -264,11 +264,16 @@ def held_out(
     p-value counts the other configurations tried on these data (`trials` less the sweep's
     `settings`, plus this pick: Sidak after Holm over the horizons), not the K settings,
     which were chosen among on other days. None when a setting has no such split (a
-    single fold)."""
+    single fold); `setting` None, with `why`, when no setting had trades enough on the
+    earlier folds to be judged there (a pick by the sweep's order would be no choice)."""
     if not earlier or any(not e for e in earlier) or any(not x for x in last):
         return None
     rows = [{"setting": s, "paired": e} for s, e in enumerate(earlier)]
     pick = rank(rows, horizon)[0]
+    if not (pick["diff_se_bps"] or 0.0) > 0:  # no setting could be judged there: no choice
+        return {"setting": None, "label": None, "horizon": horizon,
+                "why": "no setting had trades enough on the folds before the last for a "
+                f"standard error at {horizon}"}  # fmt: skip
     s = pick["setting"]
     at = last[s].get(horizon) or {}
     tries = max(trials - settings + 1, 1)
