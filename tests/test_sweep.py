@@ -235,10 +235,10 @@ def test_the_ladder_gate_takes_a_stacked_model_only_on_its_runs_check():
 # ---------------------------------------------------------------- the research run
 
 SWEEP_RUN = {
-    # 6,000 events a day: the first fold's test day has trades enough for a 5 s standard
+    # 3,000 events a day: the first fold's test day has trades enough for a 5 s standard
     # error, so the held-out pick is made (2,000: none could be judged there)
     "data": {"products": ["SYNA"], "n_dates": 3,
-             "synthetic": {"events_per_day": 6_000, "levels": 2}},
+             "synthetic": {"events_per_day": 3_000, "levels": 2}},
     "train": {"steps": 12, "batch_size": 32, "log_every": 4, "optimizations": "none"},
     "validation": {"folds": 2, "test_dates": 1},
     "sweep": {"lr": [1e-3, 3e-3, 1e-2]},
