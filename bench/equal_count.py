@@ -30,7 +30,6 @@ Writes bench/results/equal-count.json and .md (machine, date, commit).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import math
 import multiprocessing
 import os
@@ -46,38 +45,14 @@ from bench.report import markdown_table, stamp, stamp_line, write  # noqa: E402
 
 use_checkout()
 
-import pyarrow as pa  # noqa: E402
-
+from bench.selection import ALPHA, DAYS, HORIZONS, rate, replay  # noqa: E402
 from bench.validity import ar_noise  # noqa: E402
-from quantloop.tasks.data.landing import business_days  # noqa: E402
 from quantloop.tasks.data.synthetic import SyntheticConfig, generate_day  # noqa: E402
 from quantloop.tasks.research.features import FeatureParams, compute_features  # noqa: E402
-from quantloop.tasks.research.simulation import (  # noqa: E402
-    SimConfig,
-    equal_counts,
-    markout,
-    paired_difference,
-    simulate,
-    thresholds_from,
-)
+from quantloop.tasks.research.simulation import equal_counts, paired_difference  # noqa: E402
 
-CONFIG = SimConfig()
-HORIZONS = CONFIG.horizon_keys()
-ALPHA = 0.05
 PAIRS = {"same": (0.999, 0.999), "mixed": (0.99, 0.9999)}
 WAYS = ("as traded", "equal count")
-DAYS = business_days(dt.date(2024, 1, 2), 3)  # one sets thresholds, two are replayed
-
-
-def replay(tables: list[pa.Table], signals: list[np.ndarray]) -> dict[str, pa.Table]:
-    """One strategy's mark-outs on the replayed days, its threshold from the first day."""
-    threshold = thresholds_from(signals[0], CONFIG)
-    parts = []
-    for date, features, signal in zip(DAYS[1:], tables[1:], signals[1:], strict=True):
-        marked = markout(simulate(features, signal, threshold, CONFIG), features, CONFIG)
-        day = pa.array([date.isoformat()] * marked.num_rows, pa.string())
-        parts.append(marked.append_column("day", day))
-    return {"SYN": pa.concat_tables(parts)}
 
 
 def measure(seed: int) -> dict:
@@ -100,13 +75,6 @@ def measure(seed: int) -> dict:
                    for h, v in paired.items()},
             }  # fmt: skip
     return out
-
-
-def rate(flags: list[bool]) -> tuple[float, float]:
-    """A rate and its binomial standard error."""
-    n = len(flags)
-    p = float(np.mean(flags)) if n else math.nan
-    return p, math.sqrt(p * (1 - p) / n) if n else math.nan
 
 
 def se_ratio(rows: list[dict]) -> float:
@@ -150,8 +118,8 @@ def main() -> None:
                               f"{case['mean_diff_bps']:+.3f}"))  # fmt: skip
     s = stamp()
     result = {**s, "replications": args.replications, "alpha": ALPHA, "pairs": PAIRS,
-              "cases": cases, "any_star": stars, "seconds": time.perf_counter() - t0,
-              "runs": recs}  # fmt: skip
+              "cases": cases, "any_star": stars,
+              "seconds": time.perf_counter() - t0}  # fmt: skip
     md = (
         "# The paired difference at an equal trade count, on noise (bench/equal_count.py)\n\n"
         f"{stamp_line(s)} {args.replications} replications, {result['seconds']:.0f} s.\n\n"

@@ -139,10 +139,11 @@ def measure(seed: int, ks: list[int], rhos: list[float]) -> dict:
                                    HORIZONS, alpha=ALPHA) for i in range(k)],
                 [str(i) for i in range(k)], RANK_HORIZON, trials=k, settings=k, alpha=ALPHA,
             )  # fmt: skip
-            held_se = held["diff_se_bps"]
+            # no pick where no setting could be judged on the first day (held["setting"] None)
+            held_se = held.get("diff_se_bps")
             out[f"{rho:g}|{k}"] = {
                 "held_tested": bool(held_se is not None and held_se > 0),
-                "held_significant": held["significant"],
+                "held_significant": held.get("significant", False),
                 "held_t": held["diff_bps"] / held_se if held_se and held_se > 0 else math.nan,
                 "tested": at["insufficient"] in ("", None) and math.isfinite(at["p_value"]),
                 "p_raw": at["p_value"], "p_holm": at["p_holm"], "p_adjusted": at["p_adjusted"],
@@ -209,7 +210,7 @@ def main() -> None:
     s = stamp()
     result = {**s, "replications": args.replications, "ks": ks, "rhos": rhos,
               "rank_horizon": RANK_HORIZON, "alpha": ALPHA, "phi": PHI, "cases": cases,
-              "seconds": time.perf_counter() - t0, "runs": recs}  # fmt: skip
+              "seconds": time.perf_counter() - t0}  # fmt: skip
     md = (
         "# A sweep's best setting on noise (bench/selection.py)\n\n"
         f"{stamp_line(s)} {args.replications} replications, {result['seconds']:.0f} s.\n\n"

@@ -392,11 +392,10 @@ def _sweep(stage, config, sweep, simulation, parent_run_id, trials, stack) -> Sw
     holdout = held_out([sim.paired_earlier_folds_bps for sim in sims],
                        [sim.paired_last_fold_bps for sim in sims],
                        [label(cfg, fields) for cfg in configs], sweep.rank_horizon, trials,
-                       len(configs))  # fmt: skip
+                       len(configs), pooled_best=chosen)  # fmt: skip
     if holdout is not None and holdout["setting"] is None:
         progress.note("sweep", f"no held-out test of the pick: {holdout['why']}")
     elif holdout is not None:
-        holdout["same_as_best"] = holdout["setting"] == chosen
         progress.note("sweep", f"chosen on the folds before the last: {holdout['label']}; on "
                       f"the last fold {fmt_bps(holdout['diff_bps'])} bps against the baseline, "
                       f"p adjusted {fmt_p(holdout['p_adjusted'])}")  # fmt: skip

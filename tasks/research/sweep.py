@@ -254,6 +254,7 @@ def held_out(
     trials: int,
     settings: int,
     alpha: float = 0.05,
+    pooled_best: int | None = None,
 ) -> dict | None:
     """The sweep's pick tested on data the pick did not see: the best setting by `rank` on
     the folds before the last (`earlier[s]`: setting s's paired_difference there, by
@@ -265,7 +266,8 @@ def held_out(
     `settings`, plus this pick: Sidak after Holm over the horizons), not the K settings,
     which were chosen among on other days. None when a setting has no such split (a
     single fold); `setting` None, with `why`, when no setting had trades enough on the
-    earlier folds to be judged there (a pick by the sweep's order would be no choice)."""
+    earlier folds to be judged there (a pick by the sweep's order would be no choice).
+    `same_as_best`: whether the pick is `pooled_best`, the setting the pooled ranking chose."""
     if not earlier or any(not e for e in earlier) or any(not x for x in last):
         return None
     rows = [{"setting": s, "paired": e} for s, e in enumerate(earlier)]
@@ -281,4 +283,5 @@ def held_out(
     return {"setting": s, "label": labels[s], "horizon": horizon,
             "earlier_diff_bps": pick["diff_bps"], "earlier_diff_se_bps": pick["diff_se_bps"],
             "diff_bps": at.get("mean_bps"), "diff_se_bps": at.get("se_bps"),
-            "p_adjusted": p, "trials": tries, "significant": bool(p < alpha)}  # fmt: skip
+            "p_adjusted": p, "trials": tries, "significant": bool(p < alpha),
+            "same_as_best": s == pooled_best}  # fmt: skip
