@@ -161,6 +161,25 @@ def test_a_sweeps_notes_say_its_best_was_chosen_on_the_data_it_reports():
     assert not [n for n in validity_notes(summary()) if "best of" in n]
 
 
+def test_the_winners_curse_quoted_is_the_benchmarks_for_the_nearest_measured_k():
+    """The note's figure is bench/results/selection.json's mean t of the best, for the K
+    measured beside the sweep's (its range over the correlations), never one K's figure
+    for another's; past the largest K measured it says so."""
+    from pathlib import Path
+
+    from quantloop.tasks.records.summary import BEST_OF_K_MEAN_T, winners_curse
+
+    bench = json.loads((Path(__file__).parents[1] / "bench/results/selection.json").read_text())
+    for k, (lo, hi) in BEST_OF_K_MEAN_T.items():
+        measured = [c["mean_t"] for c in bench["cases"] if c["k"] == k]
+        assert len(measured) == len(bench["rhos"]), k
+        assert (lo, hi) == (round(min(measured), 2), round(max(measured), 2)), k
+    assert winners_curse(16) == "the best of 16 averaged +1.0 to +1.3 SE"
+    assert "of 4 averaged +0.5 to +0.7 SE, of 16 +1.0 to +1.3 SE" in winners_curse(8)
+    assert "less for fewer" in winners_curse(2)
+    assert "not measured past 16" in winners_curse(64)
+
+
 def test_a_stack_takes_the_switches_of_the_plan_it_has_and_their_requirements():
     from quantloop.flows.sweep import stack_setup
     from quantloop.profiling.proof import Plan

@@ -332,6 +332,31 @@ def validity_notes(summary: ResearchSummary) -> list[str]:
     return notes
 
 
+# The best of K no-edge settings' mean difference over its SE on noise, the range over the
+# two correlations measured (bench/results/selection.md, 300 replications at 57f1c38).
+BEST_OF_K_MEAN_T = {4: (0.48, 0.67), 16: (1.00, 1.27)}
+
+
+def winners_curse(k: int) -> str:
+    """The measured bias of the best of k settings, from the measured K beside k."""
+    measured = sorted(BEST_OF_K_MEAN_T)
+
+    def of(m: int) -> str:
+        lo, hi = BEST_OF_K_MEAN_T[m]
+        return f"+{lo:.1f} to +{hi:.1f} SE"
+
+    if k in BEST_OF_K_MEAN_T:
+        return f"the best of {k} averaged {of(k)}"
+    if k < measured[0]:
+        return f"the best of {measured[0]} averaged {of(measured[0])}, less for fewer"
+    if k > measured[-1]:
+        return (f"the best of {measured[-1]} averaged {of(measured[-1])}, more for more "
+                f"(not measured past {measured[-1]})")  # fmt: skip
+    below = max(m for m in measured if m < k)
+    above = min(m for m in measured if m > k)
+    return f"the best of {below} averaged {of(below)}, of {above} {of(above)}"
+
+
 def sweep_note(rows: list[dict]) -> str:
     """What the best of a sweep's settings is worth: it was chosen on the same held-out
     days its figures come from, so its difference is the largest of K estimates and
@@ -342,9 +367,8 @@ def sweep_note(rows: list[dict]) -> str:
     untested = sum(1 for r in rows if not _nan(r.get("diff_se_bps")) > 0)
     return (
         f"the best of {k} settings was chosen on these same held-out days: its diff is the "
-        f"largest of {k} estimates and overstates its edge (on noise the best of 16 averaged "
-        "+1.0 to +1.3 SE: bench/results/selection.md); its p adj. counts the settings as "
-        "trials"
+        f"largest of {k} estimates and overstates its edge (on noise {winners_curse(k)}: "
+        "bench/results/selection.md); its p adj. counts the settings as trials"
         + (f"; {untested} setting(s) with too few trades for an SE ranked after the tested "
            "ones" if untested else "")
     )  # fmt: skip
