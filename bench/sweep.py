@@ -368,6 +368,8 @@ def main() -> None:
         "windows": len(data.windows), "stacked": [], "breakdown": {}, "procs": [],
         "solo": None, "check": None, "warmup": None, "large": [], "skipped": [],
         "part_s": {},
+        # Inductor's settings from the environment (an A/B of its tuning sets them)
+        "inductor_env": {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")},
     }  # fmt: skip
     out = Path(args.out)
 
@@ -573,7 +575,12 @@ def report(r: dict) -> str:
         "",
         f"Research shape ({r['params']}), {r['steps']} steps, batch {r['batch_size']} "
         f"per model, {r['windows']:,} training windows; the stack's switches: "
-        f"{', '.join(r['switches'])}.",
+        f"{', '.join(r['switches'])}."
+        + "".join(
+            f" {k}={v}."
+            for k, v in sorted(r.get("inductor_env", {}).items())
+            if k != "TORCHINDUCTOR_CACHE_DIR"
+        ),
         "",
     ]
     solo = (r.get("solo") or {}).get("steady_samples_per_s")
