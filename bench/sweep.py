@@ -78,6 +78,7 @@ from quantloop.profiling.precision import apply_precision  # noqa: E402
 from quantloop.profiling.proof import plan_rungs  # noqa: E402
 from quantloop.profiling.rungs import Switches  # noqa: E402
 from quantloop.profiling.stacked import (  # noqa: E402
+    SWITCHES,
     Member,
     StackConfig,
     kernel_breakdown,
@@ -333,6 +334,18 @@ def main() -> None:
     ap.add_argument("--procs", default="16,4", help="K of the K-processes way ('' for none)")
     ap.add_argument("--check", type=int, default=16, help="K whose members are checked")
     ap.add_argument("--breakdown-k", type=int, default=16)
+    ap.add_argument(
+        "--breakdown-stacks",
+        default="after,before",
+        help="which stacks the breakdown part breaks down (after: the top stack)",
+    )
+    ap.add_argument(
+        "--stack-set",
+        action="append",
+        default=[],
+        metavar="SWITCH=0|1",
+        help="a StackConfig switch of the top stack set (an A/B of one switch)",
+    )
     ap.add_argument("--probe-k", type=int, default=16)
     ap.add_argument("--large-batch", type=int, default=4096)
     ap.add_argument(
@@ -361,6 +374,11 @@ def main() -> None:
     device = device_of()
     data = prepare(tables, fs.inputs, fs.labels, cfg)
     stack = top_stack(device, cfg, args.steps)
+    for item in args.stack_set:
+        name, _, value = item.partition("=")
+        if name not in SWITCHES or value not in ("0", "1"):
+            raise SystemExit(f"--stack-set {item!r}: expected SWITCH=0|1, SWITCH one of {SWITCHES}")
+        stack = dataclasses.replace(stack, **{name: value == "1"})
     store = tempfile.mkdtemp(prefix="sweep-store-")
     result: dict = {
         "params": args.params, "steps": args.steps, "batch_size": cfg.batch_size,
@@ -424,7 +442,9 @@ def main() -> None:
             k = args.breakdown_k
             members = [Member(data=reseeded(data, c), config=c) for c in settings(cfg, k)]
             # after first: the stacked part's compiled loss of this K, kept (no compile)
-            for name, s in (("after", stack), ("before", before_stack(device, args.steps))):
+            stacks = {"after": lambda: stack, "before": lambda: before_stack(device, args.steps)}
+            for name in args.breakdown_stacks.split(","):
+                s = stacks[name]()
                 reuse = name == "after"
                 try:
                     result["breakdown"][name] = {

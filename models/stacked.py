@@ -18,6 +18,7 @@ order of float sums (tests/test_stacked.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -29,7 +30,34 @@ Params = dict[str, torch.Tensor]  # OrderBookNet's parameter names -> [K, ...]
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, as OrderBookNet uses it
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+class _AddBiasGemmGrad(torch.autograd.Function):
+    """y + bias (y: [K, M, N], bias: [K, N]) whose backward sums the gradient over the M
+    rows with a batched GEMM, ones [K, 1, M] @ g, instead of a reduction kernel.
+
+    Why: Inductor fuses a bias gradient's column sum with the pointwise kernel that makes
+    the gradient, recomputing it from that kernel's inputs; for the first MLP Linear
+    that kernel (GELU's backward with the bias sum, reading two [K, M, 4D] tensors) took
+    1.53 ms of a 22.4 ms K = 16 step on an H100, about twice what its bytes need, and the
+    coordinate-descent tuner left it at 1.41 (bench/results/sweep-h200-notes.md, call 3).
+    The GEMM reads the gradient the weight's GEMMs read anyway, once, in their dtype (bf16
+    under autocast, as the model alone's Linear sums its bias gradient)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        ctx.dtypes = (y.dtype, bias.dtype)
+        return y + bias.unsqueeze(1)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y_dtype, bias_dtype = ctx.dtypes
+        g = g.to(y_dtype)
+        ones = torch.ones(g.shape[0], 1, g.shape[1], dtype=y_dtype, device=g.device)
+        return g, torch.bmm(ones, g).squeeze(1).to(bias_dtype)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gemm_bias_grad: bool = False
+) -> torch.Tensor:
     """K Linears at once. x: [K, ..., in]; weight: [K, out, in]; bias: [K, out].
 
     A `bmm` and the bias added after it, not `baddbmm(bias, ...)`: cuBLAS's batched GEMM
@@ -37,9 +65,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
     [K, M, out] output (a strided elementwise kernel) and the GEMM then reads it back
     (beta = 1). On the H200 at K = 16 that copy was the step's largest kernel, 3.1 ms of
     20.3 (bench/results/sweep-h200.json, top kernels); added after, Inductor fuses the bias
-    into the kernel that reads the GEMM's output."""
+    into the kernel that reads the GEMM's output. gemm_bias_grad: the bias's gradient
+    summed by a GEMM (_AddBiasGemmGrad), the same value up to the order of the sum."""
     k, n_in = x.shape[0], x.shape[-1]
-    y = torch.bmm(x.reshape(k, -1, n_in), weight.transpose(1, 2)) + bias.unsqueeze(1)
+    y = torch.bmm(x.reshape(k, -1, n_in), weight.transpose(1, 2))
+    y = _AddBiasGemmGrad.apply(y, bias) if gemm_bias_grad else y + bias.unsqueeze(1)
     return y.view(*x.shape[:-1], weight.shape[1])
 
 
@@ -50,11 +80,18 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tor
     return torch.addcmul(bias.view(shape), y, weight.view(shape))
 
 
-def forward(p: Params, cfg: ModelConfig, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def forward(
+    p: Params, cfg: ModelConfig, x: torch.Tensor, mask: torch.Tensor, gemm_bias_grad: bool = False
+) -> torch.Tensor:
     """Outputs of K models: [K, B, n_outputs].
 
     x: [K, B, T, F] float; mask: [K, B, T] bool, True = real event, last position real.
+    gemm_bias_grad: the wide Linears' bias gradients (q/k/v's and the first MLP Linear's,
+    whose [K, M, 3D] and [K, M, ff * D] gradients the weights' GEMMs read in bf16 anyway)
+    summed by a GEMM (`linear`); the others' sums Inductor fuses with the residual stream's
+    and the norms' reductions.
     """
+    lin = functools.partial(linear, gemm_bias_grad=gemm_bias_grad)
     K, B, T, _ = x.shape
     if T > cfg.max_len:
         raise ValueError(f"window length {T} exceeds max_len {cfg.max_len}")
@@ -68,14 +105,14 @@ def forward(p: Params, cfg: ModelConfig, x: torch.Tensor, mask: torch.Tensor) ->
     for i in range(cfg.n_layers):
         b = f"blocks.{i}."
         a = layer_norm(h, p[b + "norm1.weight"], p[b + "norm1.bias"])
-        qkv = linear(a, p[b + "attn.qkv.weight"], p[b + "attn.qkv.bias"])  # [K, B, T, 3D]
+        qkv = lin(a, p[b + "attn.qkv.weight"], p[b + "attn.qkv.bias"])  # [K, B, T, 3D]
         q, k, v = qkv.view(K * B, T, 3, H, D // H).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [K*B, H, T, Dh]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         y = y.transpose(1, 2).reshape(K, B, T, D)
         h = h + linear(y, p[b + "attn.proj.weight"], p[b + "attn.proj.bias"])
         a = layer_norm(h, p[b + "norm2.weight"], p[b + "norm2.bias"])
-        a = F.gelu(linear(a, p[b + "mlp.0.weight"], p[b + "mlp.0.bias"]))
+        a = F.gelu(lin(a, p[b + "mlp.0.weight"], p[b + "mlp.0.bias"]))
         h = h + linear(a, p[b + "mlp.2.weight"], p[b + "mlp.2.bias"])
     h = layer_norm(h, p["norm.weight"], p["norm.bias"])
     last = h[:, :, -1]  # [K, B, D]
@@ -94,6 +131,7 @@ def forward_packed(
     last: torch.Tensor,
     count: torch.Tensor,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    gemm_bias_grad: bool = False,
 ) -> torch.Tensor:
     """Outputs of K models on packed windows (profiling/packing.py's layout, one pack per
     model): [K, B, n_outputs].
@@ -102,8 +140,9 @@ def forward_packed(
     B on padding; pos: events before the window's anchor); last: [K, B], each anchor's flat
     index in its model's R * T positions; count: [K, B] window lengths. `attend(q, k, v)`
     on [K * R, H, T, Dh] attends within each window only (a dense block-diagonal mask, or
-    FlexAttention's block mask: profiling/stacked.py picks).
+    FlexAttention's block mask: profiling/stacked.py picks). gemm_bias_grad: as `forward`.
     """
+    lin = functools.partial(linear, gemm_bias_grad=gemm_bias_grad)
     K, R, T, _ = x.shape
     B = last.shape[1]
     H, D = cfg.n_heads, cfg.d_model
@@ -114,13 +153,13 @@ def forward_packed(
     for i in range(cfg.n_layers):
         b = f"blocks.{i}."
         a = layer_norm(h, p[b + "norm1.weight"], p[b + "norm1.bias"])
-        qkv = linear(a, p[b + "attn.qkv.weight"], p[b + "attn.qkv.bias"])  # [K, R, T, 3D]
+        qkv = lin(a, p[b + "attn.qkv.weight"], p[b + "attn.qkv.bias"])  # [K, R, T, 3D]
         q, k, v = qkv.view(K * R, T, 3, H, D // H).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [K*R, H, T, Dh]
         y = attend(q, k, v).transpose(1, 2).reshape(K, R, T, D)
         h = h + linear(y, p[b + "attn.proj.weight"], p[b + "attn.proj.bias"])
         a = layer_norm(h, p[b + "norm2.weight"], p[b + "norm2.bias"])
-        a = F.gelu(linear(a, p[b + "mlp.0.weight"], p[b + "mlp.0.bias"]))
+        a = F.gelu(lin(a, p[b + "mlp.0.weight"], p[b + "mlp.0.bias"]))
         h = h + linear(a, p[b + "mlp.2.weight"], p[b + "mlp.2.bias"])
     h = layer_norm(h, p["norm.weight"], p["norm.bias"]).reshape(K, R * T, D)
     last_h = torch.gather(h, 1, last.unsqueeze(-1).expand(K, B, D))  # [K, B, D]

@@ -90,7 +90,7 @@ ALIGN = 16  # elements: each parameter of the flat buffer starts on a 64-byte bo
 # The switches a stack has, by the ladder's names (StackConfig's fields), and what each
 # needs besides itself.
 SWITCHES = ("compile", "bf16", "packing", "flex_attention", "flex_blocks", "fused_kernel",
-            "flat_grads", "cudagraph", "combo_kernels")  # fmt: skip
+            "flat_grads", "cudagraph", "combo_kernels", "gemm_bias_grad")  # fmt: skip
 REQUIRES = {
     "flex_attention": ("packing",),
     "flex_blocks": ("flex_attention",),
@@ -133,6 +133,9 @@ class StackConfig:
     flat_grads: bool = False  # gradients handed to the flat buffer in one copy (rung 10)
     cudagraph: bool = False  # the whole step one CUDA graph (rung 7); CUDA only
     combo_kernels: bool = False  # Inductor's combo kernels for the loss (rung 11)
+    # the wide Linears' bias gradients summed by a GEMM (models/stacked.linear), not by
+    # Inductor's reduction kernels; no rung of the ladder (a stack's own)
+    gemm_bias_grad: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -346,20 +349,26 @@ class FlatAdamW:
 # ---------------------------------------------------------------- losses
 
 
-def stacked_loss_fn(cfg: ModelConfig, bf16: bool, device_type: str):
+def stacked_loss_fn(cfg: ModelConfig, bf16: bool, device_type: str, gemm_bias_grad: bool = False):
     """[K] losses of K models on their own padded batches: each model's MSE of standardized
     labels (F.mse_loss's mean over its batch and outputs), as the plain loop's."""
 
     def losses(params, x, mask, y):
         # x: [K, B, T, F]; mask: [K, B, T]; y: [K, B, L]
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-            pred = stacked_model.forward(params, cfg, x, mask)
+            pred = stacked_model.forward(params, cfg, x, mask, gemm_bias_grad)
         return (pred.float() - y).square().mean(dim=(1, 2))
 
     return losses
 
 
-def packed_loss_fn(cfg: ModelConfig, bf16: bool, device_type: str, tiles: dict | None = None):
+def packed_loss_fn(
+    cfg: ModelConfig,
+    bf16: bool,
+    device_type: str,
+    tiles: dict | None = None,
+    gemm_bias_grad: bool = False,
+):
     """The same losses on packed batches; `block_mask` (FlexAttention's, over the K * R rows,
     its kernels' tiles `tiles`) or, without it, a dense block-diagonal mask made from `seg`."""
 
@@ -372,7 +381,8 @@ def packed_loss_fn(cfg: ModelConfig, bf16: bool, device_type: str, tiles: dict |
                 return flex_attention(q, k, v, block_mask=block_mask, kernel_options=tiles)
 
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-            pred = stacked_model.forward_packed(params, cfg, x, pos, seg, last, count, attend)
+            pred = stacked_model.forward_packed(params, cfg, x, pos, seg, last, count, attend,
+                                                gemm_bias_grad)  # fmt: skip
         return (pred.float() - y).square().mean(dim=(1, 2))
 
     return losses
@@ -521,11 +531,12 @@ class StackStep:
             self.batches: PackedBatches | PaddedBatches = PackedBatches(
                 members, self.dev, flex_block
             )
-            loss_fn = packed_loss_fn(model_cfg, stack.bf16, device.type, tiles)
+            loss_fn = packed_loss_fn(model_cfg, stack.bf16, device.type, tiles,
+                                     stack.gemm_bias_grad)  # fmt: skip
         else:
             self.dev = on_device(members, device, padded=True)
             self.batches = PaddedBatches(self.dev)
-            loss_fn = stacked_loss_fn(model_cfg, stack.bf16, device.type)
+            loss_fn = stacked_loss_fn(model_cfg, stack.bf16, device.type, stack.gemm_bias_grad)
         self.tiles = tiles
         # each model's initial weights from its own seed, as alone (perturb > 0: each
         # weight times 1 +- perturb, the ladder's rounding controls)
@@ -548,7 +559,7 @@ class StackStep:
             # static shapes: each K is its own graph (a second K would otherwise make
             # Dynamo compile a dynamic-shape graph for every K after it)
             key = (model_cfg, stack.bf16, device.type, stack.packing, repr(tiles),
-                   stack.compile_backend, stack.combo_kernels)  # fmt: skip
+                   stack.compile_backend, stack.combo_kernels, stack.gemm_bias_grad)  # fmt: skip
             if key not in _COMPILED:
                 options = inductor_options(autotune=False, combo=stack.combo_kernels)
                 extra = {"options": options} if options and backend == "inductor" else {}

@@ -72,6 +72,14 @@ def solo_and_stacked(stack: StackConfig):
             compile_backend="aot_eager",
         ),  # fmt: skip
         StackConfig(fused_kernel=True, flat_grads=True),
+        StackConfig(
+            packing=True,
+            fused_kernel=True,
+            flat_grads=True,
+            compile=True,
+            compile_backend="aot_eager",
+            gemm_bias_grad=True,
+        ),  # fmt: skip
         # flex_attention: "FlexAttention does not support backward on CPU" (torch 2.13);
         # bench/sweep.py checks it on the H200
     ],
@@ -83,6 +91,7 @@ def solo_and_stacked(stack: StackConfig):
         "packed-fused",
         "packed-fused-flat-compiled",
         "padded-fused-flat",
+        "packed-fused-flat-compiled-gemm-bias-grad",
     ],
 )
 def test_each_model_of_a_stack_is_the_model_trained_alone(stack):
@@ -122,6 +131,49 @@ def test_the_stacked_forward_is_each_models_forward():
         want = torch.stack([m(x[i], mask[i]) for i, m in enumerate(models)])
     assert torch.isfinite(got).all()
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_bias_gradients_summed_by_a_gemm_are_the_reductions(bf16):
+    """gemm_bias_grad: the same loss and every parameter's gradient as the plain sums (to
+    float rounding; in bf16, the bf16 sum's), the wide Linears' bias sums done by batched
+    GEMMs (two more `bmm` a block in the backward, the q/k/v's and the first MLP's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Bmms(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Bmms.count += func is torch.ops.aten.bmm.default
+            return func(*args, **(kwargs or {}))
+
+    cfg = ModelConfig(n_features=3, n_outputs=2, d_model=16, n_layers=2, n_heads=4)
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(OrderBookNet(cfg))
+    x = torch.randn(3, 5, 7, 3)
+    mask = torch.ones(3, 5, 7, dtype=torch.bool)
+    mask[:, :2, :3] = False
+    results, bmms = [], []
+    for gemm in (False, True):
+        params, _ = torch.func.stack_module_state(models)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = stacked_model.forward(params, cfg, x, mask, gemm).float().square().sum()
+        Bmms.count = 0
+        with Bmms():
+            loss.backward()
+        bmms.append(Bmms.count)
+        results.append((loss.detach(), {n: p.grad for n, p in params.items()}))
+    (loss0, g0), (loss1, g1) = results
+    assert torch.equal(loss0, loss1)  # the forward is the same ops
+    # bf16: the GEMM's bias sums are rounded to bf16 (2^-8 relative), as a Linear's alone
+    tol = 2**-7 if bf16 else 1e-5  # of the largest gradient of that parameter
+    for name, grad in g0.items():
+        assert grad is not None and torch.isfinite(grad).all(), name
+        worst = float((g1[name] - grad).abs().max() / grad.abs().max())
+        assert worst <= tol, (name, worst)
+    assert bmms[1] - bmms[0] == 2 * cfg.n_layers
 
 
 def test_members_of_other_shapes_are_refused_by_name():
