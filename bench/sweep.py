@@ -11,12 +11,14 @@ the same fold. Parts (--parts; each saved as it ends, in this order, those left 
 
 - stacked: the K models as one stack (profiling/stacked.py) with every switch that runs
   here (StackConfig.top: on a GPU compile, bf16, packing, FlexAttention and its tuned
-  blocks, the flat-buffer AdamW, handed-over gradients, the whole step one CUDA graph):
+  blocks, the flat-buffer AdamW, handed-over gradients, the whole step one CUDA graph,
+  the bias gradients by a GEMM; --stack-set SWITCH=0|1 changes one, for an A/B):
   aggregate samples/s (all models), step time, peak memory, GPU busy; the first K's
   compiled kernels are stored in a compile-cache store (the warm-up part loads them);
 - breakdown: GPU time per step by kernel class (GEMMs, attention, norms + elementwise,
   optimizer) for K = --breakdown-k, before (the stack as committed at 22786f5: compile,
-  bf16, packing, FlexAttention; a per-parameter compiled update; no graph) and after;
+  bf16, packing, FlexAttention; a per-parameter compiled update; no graph) and after
+  (--breakdown-stacks picks);
 - solo: one model at the ladder's top rung (rungs 1-13: profiling/loop.Training, as
   profiling/trainer.train_prepared steps it): K models in sequence give its samples/s,
   each paying its own warm-up;
@@ -41,6 +43,9 @@ the same fold. Parts (--parts; each saved as it ends, in this order, those left 
   within CONTROL_FACTOR x its rounding floor is said to be so: at that setting no check at
   that tolerance can tell a rounding change from a defect (the ladder never widens a
   tolerance for it, nor does this).
+
+Inductor's settings from the environment (TORCHINDUCTOR_*, e.g. its coordinate-descent
+tuning for an A/B) are recorded in the result and named under its table.
 
 Writes OUT/<name>.json and .md (machine, date, commit) after each part.
 """
