@@ -45,7 +45,7 @@ class _AddBiasGemmGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         ctx.dtypes = (y.dtype, bias.dtype)
-        return y + bias.unsqueeze(1)
+        return y + bias.to(y.dtype).unsqueeze(1)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,11 +65,20 @@ def linear(
     [K, M, out] output (a strided elementwise kernel) and the GEMM then reads it back
     (beta = 1). On the H200 at K = 16 that copy was the step's largest kernel, 3.1 ms of
     20.3 (bench/results/sweep-h200.json, top kernels); added after, Inductor fuses the bias
-    into the kernel that reads the GEMM's output. gemm_bias_grad: the bias's gradient
-    summed by a GEMM (_AddBiasGemmGrad), the same value up to the order of the sum."""
+    into the kernel that reads the GEMM's output.
+
+    The bias is added in the GEMM's output dtype, as nn.Linear under autocast adds its bf16
+    bias: bf16 + the float32 parameter would promote the output to float32, so the stack
+    ran its attention and its MLP's GELU in float32 where the model alone runs them in
+    bf16 (found 2026-12-07; before, the stack's q, k and v were float32 under autocast).
+    gemm_bias_grad: the bias's gradient summed by a GEMM (_AddBiasGemmGrad), the same
+    value up to the order of the sum."""
     k, n_in = x.shape[0], x.shape[-1]
     y = torch.bmm(x.reshape(k, -1, n_in), weight.transpose(1, 2))
-    y = _AddBiasGemmGrad.apply(y, bias) if gemm_bias_grad else y + bias.unsqueeze(1)
+    if gemm_bias_grad:
+        y = _AddBiasGemmGrad.apply(y, bias)
+    else:
+        y = y + bias.to(y.dtype).unsqueeze(1)
     return y.view(*x.shape[:-1], weight.shape[1])
 
 

@@ -133,6 +133,40 @@ def test_the_stacked_forward_is_each_models_forward():
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("gemm_bias_grad", [False, True])
+def test_under_bf16_autocast_the_stack_computes_in_the_dtypes_of_the_model_alone(
+    monkeypatch, gemm_bias_grad
+):
+    """nn.Linear under autocast gives bf16 (its bias cast too): the stack's Linears must as
+    well, or bf16 + a float32 bias makes q, k and v float32 and the stack's attention runs
+    in another precision than the model alone's (it did, until 2026-12-07)."""
+    cfg = ModelConfig(n_features=3, n_outputs=2, d_model=16, n_layers=2, n_heads=4)
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(OrderBookNet(cfg).eval())
+    params, _ = torch.func.stack_module_state(models)
+    x = torch.randn(3, 5, 7, 3)
+    mask = torch.ones(3, 5, 7, dtype=torch.bool)
+    mask[:, :2, :3] = False
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        alone = torch.stack([m(x[i], mask[i]) for i, m in enumerate(models)])
+        solo_seen, seen[:] = list(seen), []
+        together = stacked_model.forward(params, cfg, x, mask, gemm_bias_grad)
+    assert solo_seen and set(solo_seen) == {(torch.bfloat16,) * 3}
+    assert set(seen) == {(torch.bfloat16,) * 3} and len(seen) == cfg.n_layers
+    assert together.dtype == alone.dtype == torch.bfloat16
+    assert rel_l2(together.float().numpy(), alone.float().numpy()) <= 2e-2
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_bias_gradients_summed_by_a_gemm_are_the_reductions(bf16):
     """gemm_bias_grad: the same loss and every parameter's gradient as the plain sums (to
