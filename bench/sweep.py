@@ -379,6 +379,8 @@ def main() -> None:
     device = device_of()
     data = prepare(tables, fs.inputs, fs.labels, cfg)
     stack = top_stack(device, cfg, args.steps)
+    if not set(args.breakdown_stacks.split(",")) <= {"after", "before"}:
+        raise SystemExit(f"--breakdown-stacks {args.breakdown_stacks!r}: after and/or before")
     for item in args.stack_set:
         name, _, value = item.partition("=")
         if name not in SWITCHES or value not in ("0", "1"):

@@ -156,7 +156,8 @@ class StackConfig:
         cuda = device.type == "cuda"
         flex = cuda and head_dim >= 16
         # gemm_bias_grad where Inductor compiles the loss (the reduction it replaces is
-        # Inductor's): K = 16 on an H100 22.80 -> 21.44 ms a step (sweep-h200-notes.md, call 4)
+        # Inductor's): K = 16 on an H100 22.80 -> 21.44 ms a step, one run each, measured
+        # before 07df07c made the Linears bf16 (sweep-h200-notes.md, call 4)
         on = dict(compile=cuda, bf16=cuda, packing=True, flex_attention=flex,
                   flex_blocks=flex, fused_kernel=True, flat_grads=True, cudagraph=cuda,
                   gemm_bias_grad=cuda)  # fmt: skip

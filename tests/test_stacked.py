@@ -115,16 +115,23 @@ def test_each_model_of_a_stack_is_the_model_trained_alone(stack):
     assert stacked[0].model_digest != stacked[3].model_digest
 
 
-def test_the_stacked_forward_is_each_models_forward():
+def three_models(train: bool = False):
+    """Three small OrderBookNets of seeds 0-2 (eval mode unless `train`), and a batch for
+    them: x [3, 5, 7, 3] and a mask with left padding on some windows."""
     cfg = ModelConfig(n_features=3, n_outputs=2, d_model=16, n_layers=2, n_heads=4)
     models = []
     for seed in range(3):
         torch.manual_seed(seed)
-        models.append(OrderBookNet(cfg).eval())
-    params, _ = torch.func.stack_module_state(models)
+        models.append(OrderBookNet(cfg).train(train))
     x = torch.randn(3, 5, 7, 3)
     mask = torch.ones(3, 5, 7, dtype=torch.bool)
     mask[:, :2, :3] = False  # left padding on some windows
+    return cfg, models, x, mask
+
+
+def test_the_stacked_forward_is_each_models_forward():
+    cfg, models, x, mask = three_models()
+    params, _ = torch.func.stack_module_state(models)
     x[~mask] = float("nan")  # padding must never reach a real position
     with torch.no_grad():
         got = stacked_model.forward(params, cfg, x, mask)
@@ -140,15 +147,8 @@ def test_under_bf16_autocast_the_stack_computes_in_the_dtypes_of_the_model_alone
     """nn.Linear under autocast gives bf16 (its bias cast too): the stack's Linears must as
     well, or bf16 + a float32 bias makes q, k and v float32 and the stack's attention runs
     in another precision than the model alone's (it did, until 2026-12-07)."""
-    cfg = ModelConfig(n_features=3, n_outputs=2, d_model=16, n_layers=2, n_heads=4)
-    models = []
-    for seed in range(3):
-        torch.manual_seed(seed)
-        models.append(OrderBookNet(cfg).eval())
+    cfg, models, x, mask = three_models()
     params, _ = torch.func.stack_module_state(models)
-    x = torch.randn(3, 5, 7, 3)
-    mask = torch.ones(3, 5, 7, dtype=torch.bool)
-    mask[:, :2, :3] = False
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -181,14 +181,7 @@ def test_bias_gradients_summed_by_a_gemm_are_the_reductions(bf16):
             Bmms.count += func is torch.ops.aten.bmm.default
             return func(*args, **(kwargs or {}))
 
-    cfg = ModelConfig(n_features=3, n_outputs=2, d_model=16, n_layers=2, n_heads=4)
-    models = []
-    for seed in range(3):
-        torch.manual_seed(seed)
-        models.append(OrderBookNet(cfg))
-    x = torch.randn(3, 5, 7, 3)
-    mask = torch.ones(3, 5, 7, dtype=torch.bool)
-    mask[:, :2, :3] = False
+    cfg, models, x, mask = three_models(train=True)
     results, bmms = [], []
     for gemm in (False, True):
         params, _ = torch.func.stack_module_state(models)
