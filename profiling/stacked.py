@@ -134,8 +134,9 @@ class StackConfig:
     cudagraph: bool = False  # the whole step one CUDA graph (rung 7); CUDA only
     combo_kernels: bool = False  # Inductor's combo kernels for the loss (rung 11)
     # the wide Linears' bias gradients summed by a GEMM (models/stacked.linear), not by
-    # Inductor's reduction kernels; no rung of the ladder (a stack's own), so a research
-    # run's stacks (flows/sweep.stack_setup, from the plan's rungs) do not have it yet
+    # Inductor's reduction kernels: an A/B switch (bench/sweep.py --stack-set), on in no
+    # stack: with bf16 Linears it measured no gain (sweep-h200-notes.md, call 5), and it is
+    # no rung of the ladder, so a research run's stacks (flows/sweep.stack_setup) lack it
     gemm_bias_grad: bool = False
 
     def __post_init__(self) -> None:
@@ -155,12 +156,11 @@ class StackConfig:
         2.13; no CUDA graph); FlexAttention only for heads it supports."""
         cuda = device.type == "cuda"
         flex = cuda and head_dim >= 16
-        # gemm_bias_grad where Inductor compiles the loss (the reduction it replaces is
-        # Inductor's): K = 16 on an H100 22.80 -> 21.44 ms a step, one run each, measured
-        # before 07df07c made the Linears bf16 (sweep-h200-notes.md, call 4)
+        # not gemm_bias_grad: with the Linears in bf16 (07df07c) it gains nothing, K = 16
+        # on an H100 20.59 ms a step with it, 20.58 without (sweep-h200-notes.md, call 5;
+        # 22.80 -> 21.44 in call 4 was on float32 Linear outputs)
         on = dict(compile=cuda, bf16=cuda, packing=True, flex_attention=flex,
-                  flex_blocks=flex, fused_kernel=True, flat_grads=True, cudagraph=cuda,
-                  gemm_bias_grad=cuda)  # fmt: skip
+                  flex_blocks=flex, fused_kernel=True, flat_grads=True, cudagraph=cuda)  # fmt: skip
         return cls(**{**on, "warmup_steps": 10 if cuda else 3, **changes})
 
     def switches(self) -> tuple[str, ...]:

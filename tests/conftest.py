@@ -11,7 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from tests import servers
+# One OpenMP thread per process when the workers fill the cores (three on two, the CI
+# machine): torch's intra-op threads then add nothing but GNU OpenMP's spin-waits after
+# each parallel region, CPU taken from the other workers. Set before anything imports
+# torch (here or in a subprocess given this environment). test_research, test_audit,
+# test_retrain and test_guard on -n 3 (2026-12-07, this 2-core VM, A B A B): 530 and 524
+# CPU-s of the machine with torch's default (two threads), 490 and 473 with one.
+if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) >= len(
+    os.sched_getaffinity(0)
+):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
+from tests import servers  # noqa: E402 - after the thread count, which torch reads at import
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 LOBSTER_DIR = SHARED_DATA / "lobster"

@@ -249,9 +249,8 @@ def test_the_top_stack_on_a_cpu_and_its_switches():
     top = StackConfig.top(torch.device("cpu"), head_dim=32)
     assert top.switches() == ("packing", "fused_kernel", "flat_grads")
     gpu = StackConfig.top(torch.device("cuda"), head_dim=32)
-    assert {"cudagraph", "flex_blocks", "fused_kernel", "flat_grads", "gemm_bias_grad"} <= set(
-        gpu.switches()
-    )
+    assert {"cudagraph", "flex_blocks", "fused_kernel", "flat_grads"} <= set(gpu.switches())
+    assert "gemm_bias_grad" not in gpu.switches()  # an A/B switch: no gain on bf16 Linears
     assert "flex_attention" not in StackConfig.top(torch.device("cuda"), head_dim=8).switches()
     with pytest.raises(ValueError, match="flat_grads needs fused_kernel"):
         StackConfig(flat_grads=True)
