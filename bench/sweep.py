@@ -328,6 +328,27 @@ def k_processes(args, k: int, timeout: float) -> dict:
 # ---------------------------------------------------------------- the bench
 
 
+PARTS = ("stacked", "breakdown", "solo", "procs", "warmup", "large", "check")
+
+
+def parse_parts(text: str) -> list[str]:
+    """--parts as a list: "stacked:64,4,procs:4" -> ["stacked:64,4", "procs:4"] (a bare K
+    belongs to the stacked or procs part before it). An unknown part is refused before
+    any work: it was skipped without a word (2026-12-07, "stacked:64,4" ran K = 64 only)."""
+    parts: list[str] = []
+    for token in (t.strip() for t in text.split(",") if t.strip()):
+        if token.isdigit() and parts and parts[-1].partition(":")[0] in ("stacked", "procs"):
+            head, _, ks = parts[-1].partition(":")
+            parts[-1] = f"{head}:{ks + ',' if ks else ''}{token}"
+            continue
+        name, _, ks = token.partition(":")
+        if name not in PARTS or (ks and not all(k.isdigit() for k in ks.split(","))):
+            raise SystemExit(f"--parts: {token!r} is not a part ({', '.join(PARTS)}; "
+                             "stacked:K and procs:K name their K)")  # fmt: skip
+        parts.append(token)
+    return parts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", required=True)
@@ -374,7 +395,7 @@ def main() -> None:
         return warmup_probe(args)
 
     t_start = time.perf_counter()
-    parts = args.parts.split(",")
+    parts = parse_parts(args.parts)
     tables, fs, cfg, held_out = setup(args)
     device = device_of()
     data = prepare(tables, fs.inputs, fs.labels, cfg)
