@@ -11,8 +11,8 @@ the same fold. Parts (--parts; each saved as it ends, in this order, those left 
 
 - stacked: the K models as one stack (profiling/stacked.py) with every switch that runs
   here (StackConfig.top: on a GPU compile, bf16, packing, FlexAttention and its tuned
-  blocks, the flat-buffer AdamW, handed-over gradients, the whole step one CUDA graph,
-  the bias gradients by a GEMM; --stack-set SWITCH=0|1 changes one, for an A/B):
+  blocks, the flat-buffer AdamW, handed-over gradients, the whole step one CUDA graph;
+  --stack-set SWITCH=0|1 changes one for an A/B, gemm_bias_grad for one):
   aggregate samples/s (all models), step time, peak memory, GPU busy; the first K's
   compiled kernels are stored in a compile-cache store (the warm-up part loads them);
 - breakdown: GPU time per step by kernel class (GEMMs, attention, norms + elementwise,
@@ -161,6 +161,25 @@ def top_stack(device: torch.device, cfg, steps: int) -> StackConfig:
     return StackConfig.top(device, cfg.head_dim, warmup_steps=warm)
 
 
+def with_set(stack: StackConfig, items: list[str]) -> StackConfig:
+    """`stack` with --stack-set's switches (SWITCH=0|1) set."""
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in SWITCHES or value not in ("0", "1"):
+            raise SystemExit(f"--stack-set {item!r}: expected SWITCH=0|1, SWITCH one of {SWITCHES}")
+        stack = dataclasses.replace(stack, **{name: value == "1"})
+    return stack
+
+
+def cache_counters() -> dict:
+    """This process's compile-cache counters: Inductor's FX graph cache and AOTAutograd's
+    (a hit in both is a graph compiled nothing; a bypass names a graph the cache refused)."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}.{name}": n for group in ("inductor", "aot_autograd")
+            for name, n in counters[group].items() if "cache" in name}  # fmt: skip
+
+
 def before_stack(device: torch.device, steps: int) -> StackConfig:
     """The stack as committed at 22786f5 (bench/results/sweep-h200-packed.md)."""
     cuda = device.type == "cuda"
@@ -266,11 +285,13 @@ def warmup_probe(args) -> None:
     # the same shapes), its clock started right after the capture
     members = [Member(data=reseeded(data, c), config=c) for c in settings(cfg, args.probe_k)]
     warm = 4 if device.type == "cuda" else 1
-    stack = dataclasses.replace(top_stack(device, cfg, args.steps), warmup_steps=warm)
+    # the stacked part's stack, --stack-set included: another would be another store key
+    stack = with_set(top_stack(device, cfg, args.steps), args.stack_set)
+    stack = dataclasses.replace(stack, warmup_steps=warm)
     t0 = time.perf_counter()
     _, timing = train_stacked(members, stack, compile_cache=args.store)
     print(json.dumps({"warmup_s": timing.warmup_s, "setup_s": timing.setup_s,
-                      "compile_cache": timing.compile_cache,
+                      "compile_cache": timing.compile_cache, "counters": cache_counters(),
                       "process_to_first_step_s": t0 - t_start + timing.setup_s + timing.warmup_s,
                       "total_s": time.perf_counter() - t0}))  # fmt: skip
 
@@ -399,14 +420,9 @@ def main() -> None:
     tables, fs, cfg, held_out = setup(args)
     device = device_of()
     data = prepare(tables, fs.inputs, fs.labels, cfg)
-    stack = top_stack(device, cfg, args.steps)
+    stack = with_set(top_stack(device, cfg, args.steps), args.stack_set)
     if not set(args.breakdown_stacks.split(",")) <= {"after", "before"}:
         raise SystemExit(f"--breakdown-stacks {args.breakdown_stacks!r}: after and/or before")
-    for item in args.stack_set:
-        name, _, value = item.partition("=")
-        if name not in SWITCHES or value not in ("0", "1"):
-            raise SystemExit(f"--stack-set {item!r}: expected SWITCH=0|1, SWITCH one of {SWITCHES}")
-        stack = dataclasses.replace(stack, **{name: value == "1"})
     store = tempfile.mkdtemp(prefix="sweep-store-")
     result: dict = {
         "params": args.params, "steps": args.steps, "batch_size": cfg.batch_size,
@@ -534,7 +550,8 @@ def warmup(args, store: str, result: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor",
                "TRITON_CACHE_DIR": f"{tmp}/triton"}  # fmt: skip
-        probe = ("--probe", "--probe-k", str(args.probe_k), "--store", store)
+        probe = ("--probe", "--probe-k", str(args.probe_k), "--store", store,
+                 *(f"--stack-set={item}" for item in args.stack_set))  # fmt: skip
         try:
             warm = last_json(run_in_process(args, *probe, env=env), 600)
         except RuntimeError as exc:
@@ -710,7 +727,9 @@ def report(r: dict) -> str:
                 f"in a fresh process with empty Inductor and Triton caches and the "
                 f"compile-cache store filled: {warm['warmup_s']:.1f} s (store "
                 f"{warm['compile_cache']}; set-up before it {warm['setup_s']:.1f} s; "
-                f"process start to first steady step {warm['process_to_first_step_s']:.1f} s)."
+                f"process start to first steady step {warm['process_to_first_step_s']:.1f} s"
+                + "".join(f"; {k} {v}" for k, v in sorted(warm.get("counters", {}).items()))
+                + ")."
                 if "error" not in warm
                 else f"warm probe failed: {warm['error']}"
             ),
