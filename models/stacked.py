@@ -40,7 +40,15 @@ class _AddBiasGemmGrad(torch.autograd.Function):
     1.53 ms of a 22.4 ms K = 16 step on an H100, about twice what its bytes need, and the
     coordinate-descent tuner left it at 1.41 (bench/results/sweep-h200-notes.md, call 3).
     The GEMM reads the gradient the weight's GEMMs read anyway, once, in their dtype (bf16
-    under autocast, as the model alone's Linear sums its bias gradient)."""
+    under autocast, as the model alone's Linear sums its bias gradient).
+
+    Off in every stack (profiling/stacked.StackConfig): with the Linears' outputs in bf16
+    it gained nothing on an H100 (20.59 against 20.58 ms a step at K = 16), and a custom
+    autograd Function makes AOTAutograd's cache bypass the graph (torch 2.13 on this
+    CPU: `autograd_cache_bypass` in each fresh compile, where the same graph without it
+    hits), so a process loading the compile-cache store traces the joint graph again: on
+    H100s 8.3 s of warm-up with it (call 5), 2.8 s without (call 2, another host and
+    commit; sweep-h200-notes.md)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
