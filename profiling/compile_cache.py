@@ -48,10 +48,22 @@ def cache_key(device: torch.device, parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _hits() -> tuple[int, int]:
+COUNTERS = {  # what kept() reports: torch's counter of each (its group, its name)
+    "hits": ("inductor", "fxgraph_cache_hit"),
+    "misses": ("inductor", "fxgraph_cache_miss"),
+    # AOTAutograd's cache sits before Inductor's: a graph it bypasses (one with a custom
+    # autograd Function, torch 2.13) is traced and partitioned again in every process,
+    # Inductor's hits notwithstanding (8.3 s of an H100 stack's warm-up against 2.8,
+    # bench/results/sweep-h200-notes.md, call 5)
+    "aot_hits": ("aot_autograd", "autograd_cache_hit"),
+    "aot_bypassed": ("aot_autograd", "autograd_cache_bypass"),
+}
+
+
+def _counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return {name: counters[group][key] for name, (group, key) in COUNTERS.items()}
 
 
 @contextlib.contextmanager
@@ -59,7 +71,9 @@ def kept(root: str | None, device: torch.device, parts: Mapping[str, Any]) -> It
     """Load the artifacts stored under `root` for this key before the block; after it,
     store the process's artifacts when the block compiled a graph the store did not hold.
     Yields what happened: {"key", "state": off | loaded | missing | unreadable, "hits",
-    "misses", "stored_bytes"}. root None: nothing is read or stored."""
+    "misses" (Inductor's FX graphs), "aot_hits", "aot_bypassed" (AOTAutograd's cache: a
+    bypassed graph is traced again in each process, and said in the log),
+    "stored_bytes"}. root None: nothing is read or stored."""
     if root is None:
         yield {"state": "off"}
         return
@@ -74,10 +88,13 @@ def kept(root: str | None, device: torch.device, parts: Mapping[str, Any]) -> It
         except Exception as exc:  # noqa: BLE001 - a bad blob costs a compile, not the run
             info["state"] = f"unreadable: {type(exc).__name__}: {exc}"
             log.warning("compile cache %s unreadable (%s): compiling", url, exc)
-    hits0, misses0 = _hits()
+    before = _counts()
     yield info
-    hits, misses = _hits()
-    info["hits"], info["misses"] = hits - hits0, misses - misses0
+    info.update({name: n - before[name] for name, n in _counts().items()})
+    if info["aot_bypassed"]:
+        log.warning("AOTAutograd's cache bypassed %d graph(s) of %s: a process loading this "
+                    "store traces them again (torch's log says why)", info["aot_bypassed"],
+                    key[:12])  # fmt: skip
     if info["misses"] or info["state"] != "loaded":
         artifacts = torch.compiler.save_cache_artifacts()
         if artifacts is not None and artifacts[0]:

@@ -62,6 +62,8 @@ def test_a_fresh_process_loads_the_kernels_and_compiles_nothing(tmp_path):
     second = compile_in_a_fresh_process(root, tmp_path / "inductor-2")
     assert second["state"] == "loaded", second
     assert second["hits"] > 0 and second["misses"] == 0, second
+    # and AOTAutograd's entries with them: the joint graph is not traced again either
+    assert second["aot_hits"] > 0 and second["aot_bypassed"] == 0, second
 
     blob.write_bytes(b"not a cache")
     third = compile_in_a_fresh_process(root, tmp_path / "inductor-3")
