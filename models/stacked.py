@@ -46,9 +46,9 @@ class _AddBiasGemmGrad(torch.autograd.Function):
     it gained nothing on an H100 (20.59 against 20.58 ms a step at K = 16), and a custom
     autograd Function makes AOTAutograd's cache bypass the graph (torch 2.13 on this
     CPU: `autograd_cache_bypass` in each fresh compile, where the same graph without it
-    hits), so a process loading the compile-cache store traces the joint graph again: on
-    H100s 8.3 s of warm-up with it (call 5), 2.8 s without (call 2, another host and
-    commit; sweep-h200-notes.md)."""
+    hits), so a process loading the compile-cache store traces the joint graph again. (The
+    stack's losses, entering autocast inside the compiled function, are bypassed for that
+    reason too, on this CPU: sweep-h200-notes.md, after call 5.)"""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

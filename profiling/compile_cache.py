@@ -51,10 +51,10 @@ def cache_key(device: torch.device, parts: Mapping[str, Any]) -> str:
 COUNTERS = {  # what kept() reports: torch's counter of each (its group, its name)
     "hits": ("inductor", "fxgraph_cache_hit"),
     "misses": ("inductor", "fxgraph_cache_miss"),
-    # AOTAutograd's cache sits before Inductor's: a graph it bypasses (one with a custom
-    # autograd Function, torch 2.13) is traced and partitioned again in every process,
-    # Inductor's hits notwithstanding (8.3 s of an H100 stack's warm-up against 2.8,
-    # bench/results/sweep-h200-notes.md, call 5)
+    # AOTAutograd's cache sits before Inductor's: a graph it bypasses (torch 2.13: one with
+    # a custom autograd Function, or one that enters autocast inside the compiled function)
+    # is traced and partitioned again in every process, Inductor's hits notwithstanding
+    # (bench/results/sweep-h200-notes.md, after call 5)
     "aot_hits": ("aot_autograd", "autograd_cache_hit"),
     "aot_bypassed": ("aot_autograd", "autograd_cache_bypass"),
 }
