@@ -64,7 +64,7 @@ from quantloop.profiling.compile import inductor_options
 from quantloop.profiling.compile_cache import kept as compile_cache_kept
 from quantloop.profiling.loop import seeded_model
 from quantloop.profiling.packing import FlexMask, flex_layout
-from quantloop.profiling.precision import apply_precision
+from quantloop.profiling.precision import apply_precision, autocast
 from quantloop.profiling.trainer import training_set
 from quantloop.profiling.workload import pack_fields
 from quantloop.tasks.engine.keys import code_fingerprint
@@ -360,7 +360,9 @@ def stacked_loss_fn(cfg: ModelConfig, bf16: bool, device_type: str, gemm_bias_gr
 
     def losses(params, x, mask, y):
         # x: [K, B, T, F]; mask: [K, B, T]; y: [K, B, L]
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        # (no autocast at all without bf16: a disabled one still puts _enter_autocast in
+        # the compiled graph, and AOTAutograd's cache then bypasses it, torch 2.13)
+        with autocast(torch.device(device_type), bf16):
             pred = stacked_model.forward(params, cfg, x, mask, gemm_bias_grad)
         return (pred.float() - y).square().mean(dim=(1, 2))
 
@@ -385,7 +387,7 @@ def packed_loss_fn(
             def attend(q, k, v):
                 return flex_attention(q, k, v, block_mask=block_mask, kernel_options=tiles)
 
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        with autocast(torch.device(device_type), bf16):  # as stacked_loss_fn's
             pred = stacked_model.forward_packed(params, cfg, x, pos, seg, last, count, attend,
                                                 gemm_bias_grad)  # fmt: skip
         return (pred.float() - y).square().mean(dim=(1, 2))
