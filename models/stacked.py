@@ -46,9 +46,9 @@ class _AddBiasGemmGrad(torch.autograd.Function):
     it gained nothing on an H100 (20.59 against 20.58 ms a step at K = 16), and a custom
     autograd Function makes AOTAutograd's cache bypass the graph (torch 2.13 on this
     CPU: `autograd_cache_bypass` in each fresh compile, where the same graph without it
-    hits), so a process loading the compile-cache store traces the joint graph again. (The
-    stack's losses, entering autocast inside the compiled function, are bypassed for that
-    reason too, on this CPU: sweep-h200-notes.md, after call 5.)"""
+    hits), so a process loading the compile-cache store traces the joint graph again. (So
+    is a graph that enters autocast inside the compiled function, as the stack's losses do
+    with bf16: sweep-h200-notes.md, after call 5.)"""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
