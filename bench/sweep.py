@@ -74,7 +74,7 @@ import torch  # noqa: E402
 
 from bench.report import markdown_table, stamp, stamp_line, write  # noqa: E402
 from bench.train_alone import research_days  # noqa: E402
-from quantloop.profiling import measure  # noqa: E402
+from quantloop.profiling import compile_cache, measure  # noqa: E402
 from quantloop.profiling.config import BF16, FP32  # noqa: E402
 from quantloop.profiling.equivalence import markout_delta, max_rel_dev, rel_l2  # noqa: E402
 from quantloop.profiling.evaluation import CONTROL_FACTOR, UNIT_ROUNDOFF  # noqa: E402
@@ -169,15 +169,6 @@ def with_set(stack: StackConfig, items: list[str]) -> StackConfig:
             raise SystemExit(f"--stack-set {item!r}: expected SWITCH=0|1, SWITCH one of {SWITCHES}")
         stack = dataclasses.replace(stack, **{name: value == "1"})
     return stack
-
-
-def cache_counters() -> dict:
-    """This process's compile-cache counters: Inductor's FX graph cache and AOTAutograd's
-    (a hit in both is a graph compiled nothing; a bypass names a graph the cache refused)."""
-    from torch._dynamo.utils import counters
-
-    return {f"{group}.{name}": n for group in ("inductor", "aot_autograd")
-            for name, n in counters[group].items() if "cache" in name}  # fmt: skip
 
 
 def before_stack(device: torch.device, steps: int) -> StackConfig:
@@ -291,7 +282,7 @@ def warmup_probe(args) -> None:
     t0 = time.perf_counter()
     _, timing = train_stacked(members, stack, compile_cache=args.store)
     print(json.dumps({"warmup_s": timing.warmup_s, "setup_s": timing.setup_s,
-                      "compile_cache": timing.compile_cache, "counters": cache_counters(),
+                      "compile_cache": timing.compile_cache, "counters": compile_cache.counts(),
                       "process_to_first_step_s": t0 - t_start + timing.setup_s + timing.warmup_s,
                       "total_s": time.perf_counter() - t0}))  # fmt: skip
 

@@ -56,11 +56,13 @@ COUNTERS = {  # what kept() reports: torch's counter of each (its group, its nam
     # is traced and partitioned again in every process, Inductor's hits notwithstanding
     # (bench/results/sweep-h200-notes.md, after call 5)
     "aot_hits": ("aot_autograd", "autograd_cache_hit"),
+    "aot_misses": ("aot_autograd", "autograd_cache_miss"),
     "aot_bypassed": ("aot_autograd", "autograd_cache_bypass"),
 }
 
 
-def _counts() -> dict[str, int]:
+def counts() -> dict[str, int]:
+    """This process's compile-cache counters so far, by COUNTERS' names."""
     from torch._dynamo.utils import counters
 
     return {name: counters[group][key] for name, (group, key) in COUNTERS.items()}
@@ -71,9 +73,9 @@ def kept(root: str | None, device: torch.device, parts: Mapping[str, Any]) -> It
     """Load the artifacts stored under `root` for this key before the block; after it,
     store the process's artifacts when the block compiled a graph the store did not hold.
     Yields what happened: {"key", "state": off | loaded | missing | unreadable, "hits",
-    "misses" (Inductor's FX graphs), "aot_hits", "aot_bypassed" (AOTAutograd's cache: a
-    bypassed graph is traced again in each process, and said in the log),
-    "stored_bytes"}. root None: nothing is read or stored."""
+    "misses" (Inductor's FX graphs), "aot_hits", "aot_misses", "aot_bypassed"
+    (AOTAutograd's cache: a bypassed graph is traced again in each process, and said in
+    the log), "stored_bytes"}. root None: nothing is read or stored."""
     if root is None:
         yield {"state": "off"}
         return
@@ -88,9 +90,9 @@ def kept(root: str | None, device: torch.device, parts: Mapping[str, Any]) -> It
         except Exception as exc:  # noqa: BLE001 - a bad blob costs a compile, not the run
             info["state"] = f"unreadable: {type(exc).__name__}: {exc}"
             log.warning("compile cache %s unreadable (%s): compiling", url, exc)
-    before = _counts()
+    before = counts()
     yield info
-    info.update({name: n - before[name] for name, n in _counts().items()})
+    info.update({name: n - before[name] for name, n in counts().items()})
     if info["aot_bypassed"]:
         log.warning("AOTAutograd's cache bypassed %d graph(s) of %s: a process loading this "
                     "store traces them again (torch's log says why)", info["aot_bypassed"],

@@ -17,10 +17,10 @@ import pytest
 # torch (here or in a subprocess given this environment). test_research, test_audit,
 # test_retrain and test_guard on -n 3 (2026-12-07, this 2-core VM, A B A B): 530 and 524
 # CPU-s of the machine with torch's default (two threads), 490 and 473 with one.
-if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) >= len(
-    os.sched_getaffinity(0)
-):
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+_CORES = len(os.sched_getaffinity(0))
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS >= _CORES:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _CORES // _WORKERS)))
 
 from tests import servers  # noqa: E402 - after the thread count, which torch reads at import
 
