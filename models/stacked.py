@@ -47,8 +47,9 @@ class _AddBiasGemmGrad(torch.autograd.Function):
     autograd Function makes AOTAutograd's cache bypass the graph (torch 2.13 on this
     CPU: `autograd_cache_bypass` in each fresh compile, where the same graph without it
     hits), so a process loading the compile-cache store traces the joint graph again. (So
-    is a graph that enters autocast inside the compiled function, as the stack's losses do
-    with bf16: sweep-h200-notes.md, after call 5.)"""
+    is a graph that enters autocast inside the compiled function, as the stack's losses
+    did with bf16 until autocast moved around the compiled call: sweep-h200-notes.md,
+    after call 5.)"""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

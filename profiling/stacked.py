@@ -354,28 +354,20 @@ class FlatAdamW:
 # ---------------------------------------------------------------- losses
 
 
-def stacked_loss_fn(cfg: ModelConfig, bf16: bool, device_type: str, gemm_bias_grad: bool = False):
+def stacked_loss_fn(cfg: ModelConfig, gemm_bias_grad: bool = False):
     """[K] losses of K models on their own padded batches: each model's MSE of standardized
-    labels (F.mse_loss's mean over its batch and outputs), as the plain loop's."""
+    labels (F.mse_loss's mean over its batch and outputs), as the plain loop's. The caller
+    enters bf16 autocast around it (StackStep.run), as the plain loop does around its net."""
 
     def losses(params, x, mask, y):
         # x: [K, B, T, F]; mask: [K, B, T]; y: [K, B, L]
-        # (no autocast at all without bf16: a disabled one still puts _enter_autocast in
-        # the compiled graph, and AOTAutograd's cache then bypasses it, torch 2.13)
-        with autocast(torch.device(device_type), bf16):
-            pred = stacked_model.forward(params, cfg, x, mask, gemm_bias_grad)
+        pred = stacked_model.forward(params, cfg, x, mask, gemm_bias_grad)
         return (pred.float() - y).square().mean(dim=(1, 2))
 
     return losses
 
 
-def packed_loss_fn(
-    cfg: ModelConfig,
-    bf16: bool,
-    device_type: str,
-    tiles: dict | None = None,
-    gemm_bias_grad: bool = False,
-):
+def packed_loss_fn(cfg: ModelConfig, tiles: dict | None = None, gemm_bias_grad: bool = False):
     """The same losses on packed batches; `block_mask` (FlexAttention's, over the K * R rows,
     its kernels' tiles `tiles`) or, without it, a dense block-diagonal mask made from `seg`."""
 
@@ -387,9 +379,8 @@ def packed_loss_fn(
             def attend(q, k, v):
                 return flex_attention(q, k, v, block_mask=block_mask, kernel_options=tiles)
 
-        with autocast(torch.device(device_type), bf16):  # as stacked_loss_fn's
-            pred = stacked_model.forward_packed(params, cfg, x, pos, seg, last, count, attend,
-                                                gemm_bias_grad)  # fmt: skip
+        pred = stacked_model.forward_packed(params, cfg, x, pos, seg, last, count, attend,
+                                            gemm_bias_grad)  # fmt: skip
         return (pred.float() - y).square().mean(dim=(1, 2))
 
     return losses
@@ -538,12 +529,11 @@ class StackStep:
             self.batches: PackedBatches | PaddedBatches = PackedBatches(
                 members, self.dev, flex_block
             )
-            loss_fn = packed_loss_fn(model_cfg, stack.bf16, device.type, tiles,
-                                     stack.gemm_bias_grad)  # fmt: skip
+            loss_fn = packed_loss_fn(model_cfg, tiles, stack.gemm_bias_grad)
         else:
             self.dev = on_device(members, device, padded=True)
             self.batches = PaddedBatches(self.dev)
-            loss_fn = stacked_loss_fn(model_cfg, stack.bf16, device.type, stack.gemm_bias_grad)
+            loss_fn = stacked_loss_fn(model_cfg, stack.gemm_bias_grad)
         self.tiles = tiles
         # each model's initial weights from its own seed, as alone (perturb > 0: each
         # weight times 1 +- perturb, the ladder's rounding controls)
@@ -586,7 +576,12 @@ class StackStep:
         kernel breakdown's markers): "forward", "backward", "optimizer"."""
         part = phase or (lambda name: contextlib.nullcontext())
         with part("forward"):
-            loss = self.loss_fn(self.params, *self.batches(self.step_t))  # [K]
+            batch = self.batches(self.step_t)
+            # bf16 autocast entered around the compiled loss, as the solo loop enters it
+            # around its compiled net: entered inside, AOTAutograd's cache bypasses the
+            # graph ("_enter_autocast", torch 2.13) and every process traces it again
+            with autocast(self.device, self.stack.bf16):
+                loss = self.loss_fn(self.params, *batch)  # [K]
         with part("backward"):
             self.opt.zero_grad()
             loss.sum().backward()
