@@ -64,3 +64,45 @@ def test_without_a_store_every_table_is_predicted(tmp_path):
     plain(table)
     plain(table)
     assert (plain.stats.windows, plain.stats.stored_windows) == (600, 0)
+
+
+def test_a_replay_beside_a_registrations_export_predicts_as_it_does_alone(tmp_path):
+    """A research run registers its model (torch.export) in a thread while its replay
+    predicts (flows/train.records_in_background). While it traces, the export turns
+    oneDNN off for the whole process, which changes the rounding of a forward beside it
+    (the control below); the replay's Predictor waits for it (overlap.TRACING), so its
+    predictions are those it makes alone, bit for bit, however the threads interleave."""
+    import threading
+
+    import torch
+
+    from quantloop.tasks.records.registry import predictor, save_exported, windows
+
+    table = learnable_table(700, 1)
+    result = train([table], ["a", "b"], ["label_4"], TrainConfig(**SMALL))
+    alone = predict(result, table)
+    with torch.backends.mkldnn.flags(enabled=False):  # the export's state, as the control
+        assert not np.array_equal(predict(result, table), alone)
+
+    example = windows(result, table, np.array([0, 350, 699]))
+    meta = {"artifact_path": "model", "model_uuid": "m", "run_id": "r", "model_id": "m"}
+    exported, stop = [], threading.Event()
+
+    def register() -> None:  # as the registration thread exports, until told to stop
+        while not stop.is_set():
+            local = tmp_path / f"export-{len(exported)}"
+            save_exported(predictor(result), example, str(local), meta)
+            exported.append(local)
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    try:
+        differing = made = 0
+        while len(exported) < 2 or made < 20:
+            differing += not np.array_equal(Predictor(result)(table), alone)
+            made += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert (tmp_path / "export-0" / "MLmodel").is_file()
+    assert differing == 0, f"{differing} of {made} predictions beside the exports differed"

@@ -41,6 +41,13 @@ OFF_ENV = "QUANTLOOP_OVERLAP"
 # share torch's global decomposition tables. Beside each other on an H200 the replay's
 # compile failed, "both a fallback and a decomp for same op:
 # aten.native_layer_norm.default" (bench/results/turnaround-h200-ahead-notes.md, call 6).
+# Nor any model's forward beside torch.export: while it traces, the export turns oneDNN,
+# NNPACK and cuDNN off for the whole process (torch/export/_trace.py,
+# _ignore_backend_decomps) and fx routes every thread's nn.Module calls and attribute
+# reads through its tracer (torch/fx/_symbolic_trace.py). A replay's eager forward beside
+# an export gave other float32 rounding: 92 of 156 forwards on this 2-core VM differed
+# from the same forward alone (up to 6e-8; tests/test_predictions.py), so its trades
+# could depend on the registration's timing. The replay's Predictor holds this lock.
 TRACING = threading.RLock()  # re-entrant: a capture that calls another in its thread
 # The warm process that forked this command (its abstract socket's name); set in the
 # command's process by quantloop/forkserver.py at the fork, None in any other process.
