@@ -283,6 +283,7 @@ def warmup_probe(args) -> None:
     _, timing = train_stacked(members, stack, compile_cache=args.store)
     print(json.dumps({"warmup_s": timing.warmup_s, "setup_s": timing.setup_s,
                       "compile_cache": timing.compile_cache, "counters": compile_cache.counts(),
+                      "compile_times": compile_cache.compile_times(),
                       "process_to_first_step_s": t0 - t_start + timing.setup_s + timing.warmup_s,
                       "total_s": time.perf_counter() - t0}))  # fmt: skip
 
@@ -720,7 +721,16 @@ def report(r: dict) -> str:
                 f"{warm['compile_cache']}; set-up before it {warm['setup_s']:.1f} s; "
                 f"process start to first steady step {warm['process_to_first_step_s']:.1f} s"
                 + "".join(f"; {k} {v}" for k, v in sorted(warm.get("counters", {}).items()))
-                + ")."
+                + ")"
+                + (
+                    (
+                        "; torch.compile in that process {total_s:.1f} s over {frames} frames: "
+                        "Dynamo's trace {dynamo_s:.1f} s, AOTAutograd and Inductor "
+                        "{backend_s:.1f} s."
+                    ).format(**warm["compile_times"])
+                    if warm.get("compile_times")
+                    else "."
+                )
                 if "error" not in warm
                 else f"warm probe failed: {warm['error']}"
             ),

@@ -68,6 +68,24 @@ def counts() -> dict[str, int]:
     return {name: counters[group][key] for name, (group, key) in COUNTERS.items()}
 
 
+def compile_times() -> dict[str, float]:
+    """Seconds torch.compile spent in this process so far, summed over its compiled frames
+    (torch._dynamo.utils.get_compilation_metrics, private: {} where torch has none):
+    `total_s`, each frame's whole compile; `backend_s`, AOTAutograd's and Inductor's part
+    of it (with a loaded store, mostly reading the caches); `dynamo_s`, the rest: Dynamo's
+    trace of the Python, which no cache keeps."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        metrics = list(get_compilation_metrics())
+    except Exception:  # noqa: BLE001 - a figure for the bench, never the run's failure
+        return {}
+    total = sum(getattr(m, "entire_frame_compile_time_s", None) or 0.0 for m in metrics)
+    backend = sum(getattr(m, "backend_compile_time_s", None) or 0.0 for m in metrics)
+    return {"frames": len(metrics), "total_s": round(total, 3), "backend_s": round(backend, 3),
+            "dynamo_s": round(total - backend, 3)}  # fmt: skip
+
+
 @contextlib.contextmanager
 def kept(root: str | None, device: torch.device, parts: Mapping[str, Any]) -> Iterator[dict]:
     """Load the artifacts stored under `root` for this key before the block; after it,
