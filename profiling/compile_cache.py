@@ -72,8 +72,9 @@ def compile_times() -> dict[str, float]:
     """Seconds torch.compile spent in this process so far, summed over its compiled frames
     (torch._dynamo.utils.get_compilation_metrics, private: {} where torch has none):
     `total_s`, each frame's whole compile; `backend_s`, AOTAutograd's and Inductor's part
-    of it (with a loaded store, mostly reading the caches); `dynamo_s`, the rest: Dynamo's
-    trace of the Python, which no cache keeps."""
+    of it (with a loaded store, reading the caches, and on a CPU building their C++
+    again); `dynamo_s`, the rest: Dynamo's own part (the trace of the Python, guards,
+    bytecode), which no cache keeps. torch keeps the last 64 frames' metrics only."""
     try:
         from torch._dynamo.utils import get_compilation_metrics
 

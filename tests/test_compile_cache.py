@@ -1,5 +1,6 @@
 """Inductor's kernels kept in the workspace's store (profiling/compile_cache.py): a fresh
-process (a new worker, an emptied /tmp) loads them and compiles nothing again."""
+process (a new worker, an emptied /tmp) loads every graph from it, traced and lowered
+nothing again (on a CPU the entries' C++ is still built: docs/limits.md)."""
 
 from __future__ import annotations
 
@@ -49,11 +50,12 @@ def test_the_key_names_torch_the_device_class_and_the_parts():
 
 
 @pytest.mark.slow
-def test_a_fresh_process_loads_the_kernels_and_compiles_nothing(tmp_path):
+def test_a_fresh_process_loads_every_graph_from_the_store(tmp_path):
     """Inductor on a CPU (a C++ build, ~25 s here): the first process compiles and stores;
     a second one, with an empty Inductor cache of its own, loads the store's blob and
-    every graph is a cache hit (on a CPU the entries' C++ is still built again: 13.6 s
-    against 15.1 s cold, docs/limits.md); a damaged blob costs a compile, never the run."""
+    every graph is a hit of both caches (on a CPU the entries' C++ is still built again:
+    13.6 s against 15.1 s cold, one run each); a damaged blob costs a compile, never the
+    run."""
     root = tmp_path / "store"
     first = compile_in_a_fresh_process(root, tmp_path / "inductor-1")
     assert first["state"] == "missing" and first["misses"] > 0 and first["stored_bytes"] > 0
