@@ -282,6 +282,8 @@ def warmup_probe(args) -> None:
     t0 = time.perf_counter()
     _, timing = train_stacked(members, stack, compile_cache=args.store)
     print(json.dumps({"warmup_s": timing.warmup_s, "setup_s": timing.setup_s,
+                      "warmup_steps_s": timing.warmup_steps_s,
+                      "cache_load_s": timing.cache_load_s,
                       "compile_cache": timing.compile_cache, "counters": compile_cache.counts(),
                       "compile_times": compile_cache.compile_times(),
                       "process_to_first_step_s": t0 - t_start + timing.setup_s + timing.warmup_s,
@@ -730,6 +732,15 @@ def report(r: dict) -> str:
                     ).format(**warm["compile_times"])
                     if warm.get("compile_times")
                     else "."
+                )
+                + (
+                    " Its parts: the store read and loaded {:.2f} s, then each warm-up step "
+                    "(synchronized) {} s.".format(
+                        warm.get("cache_load_s", 0.0),
+                        " / ".join(f"{x:.2f}" for x in warm["warmup_steps_s"]),
+                    )
+                    if warm.get("warmup_steps_s")
+                    else ""
                 )
                 if "error" not in warm
                 else f"warm probe failed: {warm['error']}"

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -91,7 +92,8 @@ def compile_times() -> dict[str, float]:
 def kept(root: str | None, device: torch.device, parts: Mapping[str, Any]) -> Iterator[dict]:
     """Load the artifacts stored under `root` for this key before the block; after it,
     store the process's artifacts when the block compiled a graph the store did not hold.
-    Yields what happened: {"key", "state": off | loaded | missing | unreadable, "hits",
+    Yields what happened: {"key", "state": off | loaded | missing | unreadable, "read_s"
+    and "load_s" (the store's bytes read, then handed to torch), "hits",
     "misses" (Inductor's FX graphs), "aot_hits", "aot_misses", "aot_bypassed"
     (AOTAutograd's cache: a bypassed graph is traced again in each process, and said in
     the log), "stored_bytes"}. root None: nothing is read or stored."""
@@ -103,8 +105,12 @@ def kept(root: str | None, device: torch.device, parts: Mapping[str, Any]) -> It
     info: dict[str, Any] = {"key": key, "state": "missing"}
     if storage.exists(url):
         try:
+            t0 = time.perf_counter()
+            blob = storage.read_bytes(url)
+            info["read_s"] = round(time.perf_counter() - t0, 4)
             # None (not an exception) for bytes that hold no artifacts
-            loaded = torch.compiler.load_cache_artifacts(storage.read_bytes(url))
+            loaded = torch.compiler.load_cache_artifacts(blob)
+            info["load_s"] = round(time.perf_counter() - t0 - info["read_s"], 4)
             info["state"] = "loaded" if loaded else "unreadable: no artifacts in it"
         except Exception as exc:  # noqa: BLE001 - a bad blob costs a compile, not the run
             info["state"] = f"unreadable: {type(exc).__name__}: {exc}"

@@ -191,6 +191,10 @@ class StackTiming:
     setup_s: float = 0.0  # before the first step: data and packing plan on the device, models
     compile_cache: str = "off"  # the workspace store's compiled kernels: off, loaded, missing
     rows: int = 0  # packed rows per model and step (0: padded)
+    # each warm-up step's seconds, the device synchronized after it (on CUDA with the
+    # graph: the compile or cache load, the eager steps, the capture and first replay)
+    warmup_steps_s: tuple[float, ...] = ()
+    cache_load_s: float = 0.0  # the store's compiled kernels read and loaded, before step 0
 
 
 def reseeded(data: TrainingData, cfg: TrainConfig) -> TrainingData:
@@ -711,12 +715,16 @@ def train_stacked(
             torch_threads(cfg0.num_threads), compile_workers(cache_info):  # fmt: skip
         start = time.perf_counter()
         steady = start
+        marks = [start]
         for i in range(steps):
             if i == stack.warmup_steps:
                 sync()
                 steady = time.perf_counter()
                 sampling.enter_context(sampler)
             step()
+            if i < stack.warmup_steps:  # the warm-up's parts; a sync costs nothing there
+                sync()
+                marks.append(time.perf_counter())
         curves = step.losses.cpu().numpy().astype(np.float64)  # the one host sync
         end = time.perf_counter()
         sampling.close()
@@ -731,6 +739,8 @@ def train_stacked(
         samples_per_s=k * batch * max(steady_steps, 1) / steady_s if steady_s > 0 else math.inf,
         peak_mem_gb=peak, gpu_util=sampler.mean, setup_s=setup_s,
         compile_cache=cache_info["state"], rows=step.batches.rows,
+        warmup_steps_s=tuple(round(b - a, 4) for a, b in zip(marks, marks[1:], strict=False)),
+        cache_load_s=cache_info.get("read_s", 0.0) + cache_info.get("load_s", 0.0),
     )  # fmt: skip
     return step.results(curves, duration, timing), timing
 
