@@ -165,8 +165,9 @@ def with_set(stack: StackConfig, items: list[str]) -> StackConfig:
     """`stack` with --stack-set's switches (SWITCH=0|1) set."""
     for item in items:
         name, _, value = item.partition("=")
-        if name not in SWITCHES or value not in ("0", "1"):
-            raise SystemExit(f"--stack-set {item!r}: expected SWITCH=0|1, SWITCH one of {SWITCHES}")
+        if name not in (*SWITCHES, "precompile") or value not in ("0", "1"):
+            raise SystemExit(f"--stack-set {item!r}: expected SWITCH=0|1, SWITCH one of "
+                             f"{(*SWITCHES, 'precompile')}")  # fmt: skip
         stack = dataclasses.replace(stack, **{name: value == "1"})
     return stack
 

@@ -108,6 +108,22 @@ _COMPILED: dict[tuple, Callable] = {}
 _FLEX_MASKS: dict[tuple, FlexMask] = {}
 
 
+class CompiledLater:
+    """torch.compile(fn, **options), wrapped at the first call rather than when made: torch
+    looks a function's Dynamo package up when it wraps it (compile_cache.kept's
+    precompile), and a stack's store is loaded after its step is built."""
+
+    __slots__ = ("fn", "options", "compiled")
+
+    def __init__(self, fn: Callable, **options) -> None:
+        self.fn, self.options, self.compiled = fn, options, None
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, **self.options)
+        return self.compiled(*args, **kwargs)
+
+
 def forget_compiled() -> None:
     """A fresh Dynamo state: the kept losses and masks dropped, torch._dynamo.reset()."""
     _COMPILED.clear()
@@ -138,6 +154,11 @@ class StackConfig:
     # stack: with bf16 Linears it measured no gain (sweep-h200-notes.md, call 5), and it is
     # no rung of the ladder, so a research run's stacks (flows/sweep.stack_setup) lack it
     gemm_bias_grad: bool = False
+    # with a compile-cache store: Dynamo's packages kept in it too, so a process that
+    # loads it installs the compiled loss and update without tracing them (compile_cache
+    # .kept's precompile; torch's experimental caching_precompile). Not a rung: the same
+    # kernels, from the store instead of a trace. Off for an A/B (bench/sweep.py).
+    precompile: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -246,7 +267,7 @@ class StackedAdamW:
         self.lr = [lr.view(-1, *[1] * (p.dim() - 1)) for p in self.params]
         self.decay = [1 - (lr * weight_decay).view(-1, *[1] * (p.dim() - 1)) for p in self.params]
         self.t = torch.zeros((), dtype=torch.float32, device=lr.device)
-        self.update = torch.compile(update, backend=backend, dynamic=False) if backend else update
+        self.update = CompiledLater(update, backend=backend, dynamic=False) if backend else update
 
     @torch.no_grad()
     def step(self) -> None:
@@ -331,7 +352,7 @@ class FlatAdamW:
         if backend:
             key = ("flat_update", backend)
             if key not in _COMPILED:
-                _COMPILED[key] = torch.compile(flat_update, backend=backend, dynamic=False)
+                _COMPILED[key] = CompiledLater(flat_update, backend=backend, dynamic=False)
             self.update = _COMPILED[key]
 
     def zero_grad(self) -> None:
@@ -564,7 +585,7 @@ class StackStep:
             if key not in _COMPILED:
                 options = inductor_options(autotune=False, combo=stack.combo_kernels)
                 extra = {"options": options} if options and backend == "inductor" else {}
-                _COMPILED[key] = torch.compile(loss_fn, backend=stack.compile_backend,
+                _COMPILED[key] = CompiledLater(loss_fn, backend=stack.compile_backend,
                                                dynamic=False, **extra)  # fmt: skip
             loss_fn = _COMPILED[key]
         self.loss_fn = loss_fn
@@ -709,7 +730,8 @@ def train_stacked(
     setup_s = time.perf_counter() - t0
     sampler = measure.UtilSampler(device if stack.sample_gpu else torch.device("cpu"))
     sampling = contextlib.ExitStack()
-    cached = compile_cache_kept(compile_cache, device, cache_parts(step)) \
+    cached = compile_cache_kept(compile_cache, device, cache_parts(step),
+                                precompile=stack.precompile) \
         if stack.compile and compile_cache else _no_cache()  # fmt: skip
     with cached as cache_info, apply_precision(device, enabled=stack.bf16), \
             torch_threads(cfg0.num_threads), compile_workers(cache_info):  # fmt: skip
