@@ -157,8 +157,9 @@ class StackConfig:
     # with a compile-cache store: Dynamo's packages kept in it too, so a process that
     # loads it installs the compiled loss and update without tracing them (compile_cache
     # .kept's precompile; torch's experimental caching_precompile). Not a rung: the same
-    # kernels, from the store instead of a trace. Off for an A/B (bench/sweep.py).
-    precompile: bool = True
+    # kernels, from the store instead of a trace. Off until a GPU has run it (FlexAttention
+    # and the CUDA graph are not on a CPU): bench/sweep.py --stack-set precompile=1.
+    precompile: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:

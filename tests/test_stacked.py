@@ -10,6 +10,8 @@ import torch
 
 from quantloop.models import stacked as stacked_model
 from quantloop.models.orderbook import ModelConfig, OrderBookNet
+from quantloop.profiling import compile_cache
+from quantloop.profiling.compile_cache import precompile_supported
 from quantloop.profiling.config import FP32
 from quantloop.profiling.equivalence import max_rel_dev, rel_l2
 from quantloop.profiling.stacked import (
@@ -286,3 +288,30 @@ def test_stacks_of_one_shape_reuse_the_compiled_loss():
     again, _ = train_stacked(ms, stack, reuse_compiled=True)
     assert counters["stats"]["unique_graphs"] == compiled  # nothing traced again
     assert [r.model_digest for r in again] == [r.model_digest for r in fresh]
+
+
+@pytest.mark.skipif(not precompile_supported(), reason="this torch keeps no Dynamo packages")
+def test_with_precompile_the_stack_wraps_its_functions_after_loading_the_store(
+    tmp_path, monkeypatch
+):
+    """StackConfig.precompile: the loss and the flat update are wrapped by torch.compile at
+    their first call, inside the store's block, so torch finds their Dynamo packages the
+    store just loaded (wrapped when the step is built, before the load, it found none).
+    aot_eager's graphs are not serializable, so here they are compiled again; with
+    Inductor nothing is traced (tests/test_compile_cache.py)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-1"))
+    ms = members()[:2]
+    stack = StackConfig(packing=True, fused_kernel=True, flat_grads=True, compile=True,
+                        compile_backend="aot_eager", precompile=True)  # fmt: skip
+    store = str(tmp_path / "store")
+    before = compile_cache.counts()
+    first, timing = train_stacked(ms, stack, compile_cache=store)
+    assert timing.compile_cache == "missing"
+    assert compile_cache.counts()["dynamo_misses"] - before["dynamo_misses"] == 2
+    # another machine's Inductor folder: only the store can hold the packages there
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-2"))
+    before = compile_cache.counts()
+    again, timing = train_stacked(ms, stack, compile_cache=store)
+    assert timing.compile_cache == "loaded"
+    assert compile_cache.counts()["dynamo_hits"] - before["dynamo_hits"] == 2
+    assert [r.model_digest for r in again] == [r.model_digest for r in first]
