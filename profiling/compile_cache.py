@@ -108,8 +108,13 @@ def compile_times() -> dict[str, float]:
 
 
 def precompile_supported() -> bool:
-    """Whether this torch keeps Dynamo's packages in its cache artifacts."""
-    return hasattr(torch._dynamo.config, "caching_precompile")
+    """Whether this torch keeps Dynamo's packages in its cache artifacts (the setting and
+    the machine's package store both present: experimental, and moving between versions)."""
+    try:
+        from torch._dynamo.package import DynamoCache
+    except ImportError:
+        return False
+    return hasattr(torch._dynamo.config, "caching_precompile") and hasattr(DynamoCache, "clear")
 
 
 @contextlib.contextmanager
