@@ -24,7 +24,7 @@ them still traces each function's Python, builds its guards and looks each graph
 serializable guards and the backend's compiled graphs, `DynamoCache`), so a function
 wrapped by torch.compile inside the block is installed already compiled: that stack
 traced no frame, its weights bit for bit those of a compile. On a CPU the C++ is still
-built from the stored source (23-28 s there, one run each, against 23-26 s without);
+built from the stored source (23.3 and 27.8 s there, against 26.0 and 26.6 without);
 on a GPU that part is loading Triton's kernels. torch looks a function's package up when
 the function is wrapped, so the wrapping must happen inside the block (stacked.py wraps
 at the first call), and the machine's own Dynamo packages are dropped first: only the
