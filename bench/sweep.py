@@ -162,12 +162,13 @@ def top_stack(device: torch.device, cfg, steps: int) -> StackConfig:
 
 
 def with_set(stack: StackConfig, items: list[str]) -> StackConfig:
-    """`stack` with --stack-set's switches (SWITCH=0|1) set."""
+    """`stack` with --stack-set's switches (SWITCH=0|1) set: the rungs, and precompile
+    (where the compiled functions come from, not which)."""
+    settable = (*SWITCHES, "precompile")
     for item in items:
         name, _, value = item.partition("=")
-        if name not in (*SWITCHES, "precompile") or value not in ("0", "1"):
-            raise SystemExit(f"--stack-set {item!r}: expected SWITCH=0|1, SWITCH one of "
-                             f"{(*SWITCHES, 'precompile')}")  # fmt: skip
+        if name not in settable or value not in ("0", "1"):
+            raise SystemExit(f"--stack-set {item!r}: expected SWITCH=0|1, SWITCH one of {settable}")
         stack = dataclasses.replace(stack, **{name: value == "1"})
     return stack
 

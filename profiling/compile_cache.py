@@ -25,12 +25,12 @@ serializable guards and the backend's compiled graphs, `DynamoCache`), so a func
 wrapped by torch.compile inside the block is installed already compiled: that stack
 traced no frame, its weights bit for bit those of a compile. On a CPU the C++ is still
 built from the stored source (23.3 and 27.8 s there, against 26.0 and 26.6 without);
-on a GPU that part is loading Triton's kernels. torch looks a function's package up when
-the function is wrapped, so the wrapping must happen inside the block (stacked.py wraps
-at the first call), and the machine's own Dynamo packages are dropped first: only the
-store's, which this key names, may be installed (a package keyed by the function's
-source alone could come from another shape or switch, and serialized guards leave out
-those on globals).
+what it saves on a GPU, where nothing is built, is not measured yet. torch looks a
+function's package up when the function is wrapped, so the wrapping must happen inside
+the block (stacked.py wraps at the first call), and the machine's own Dynamo packages
+are dropped first: only the store's, which this key names, may be installed (a package
+keyed by the function's source alone could come from another shape or switch, and
+serialized guards leave out those on globals).
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def precompile_supported() -> bool:
 @contextlib.contextmanager
 def _dynamo_packages(on: bool) -> Iterator[None]:
     """Dynamo's packages recorded, saved and installed for the block (caching_precompile),
-    the machine's own dropped first; nothing when off."""
+    the machine's own dropped first; nothing when off. Another process of the machine in
+    such a block meanwhile loses at worst its package files: a load that fails traces, a
+    save that fails stores the rest (kept's warning)."""
     if not on:
         yield
         return
